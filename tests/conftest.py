@@ -1,0 +1,26 @@
+"""Fixtures for the workspace tests: the toolchain's verdict and a toy member built once per session."""
+
+import pathlib
+
+import pytest
+
+from toy_workspace import TOY, build_toy, make_workspace
+
+@pytest.fixture(scope="session")
+def toolchain_reason():
+    """None when this machine can build members (nvcc + a CUDA torch of the same major), else why not."""
+    from prime_kernels.builder import skip_reason, toolchain
+    from prime_kernels.workspace import read_member
+
+    return skip_reason(read_member(TOY, {"version": 1}), toolchain())
+
+
+@pytest.fixture(scope="session")
+def built_toy(tmp_path_factory, toolchain_reason) -> pathlib.Path:
+    """A workspace whose toy member is built (once per session); skips with the toolchain's reason."""
+    if toolchain_reason is not None:
+        pytest.skip(f"cannot build here: {toolchain_reason}")
+    root = make_workspace(tmp_path_factory.mktemp("built"))
+    result = build_toy(root)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return root

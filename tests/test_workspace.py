@@ -1,0 +1,108 @@
+"""The manifests: every build.toml through kernel-builder's parser, errors that name file and field."""
+
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+import prime_kernels
+from prime_kernels.workspace import ManifestError, read_member, read_workspace
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MEMBERS = ["rmsnorm", "flash_moe"]
+
+
+@pytest.mark.parametrize("member", [*MEMBERS, "tests/toy"])
+def test_member_manifest_passes_kernel_builders_parser(member):
+    from kernels._rust import Backend, Build
+
+    build = Build.open(str(REPO / member))
+    assert build.general.backends == [Backend.CUDA]
+
+
+def test_workspace_lists_members_with_repo_ids_and_pins():
+    specs = read_workspace(REPO)
+    assert list(specs) == MEMBERS
+    assert prime_kernels.KERNELS == tuple(MEMBERS)
+    assert specs["flash_moe"].builder_name == "flash-moe"
+    assert specs["flash_moe"].repo_id == "prime-intellect/flash_moe"
+    assert specs["rmsnorm"].repo_id == "prime-intellect/rmsnorm"
+    assert specs["flash_moe"].capabilities == ("9.0a",)
+    assert specs["rmsnorm"].capabilities == ("9.0a", "10.0a", "12.0a")
+    for spec in specs.values():
+        assert spec.version == 1 and spec.hub_version == 1 and spec.hub_revision is None
+        assert any(d.startswith("cutlass_4") for k in spec.kernels for d in k.depends) == (spec.name == "flash_moe")
+
+
+def test_unknown_kernel_is_a_key_error_listing_the_known_ones():
+    with pytest.raises(KeyError, match="unknown kernel 'nope'; known kernels: rmsnorm, flash_moe"):
+        prime_kernels.spec("nope")
+    with pytest.raises(KeyError, match="known kernels"):
+        prime_kernels.unavailable_reason("nope")
+
+
+def _toy_copy(tmp_path):
+    dest = tmp_path / "toy"
+    shutil.copytree(REPO / "tests" / "toy", dest, ignore=shutil.ignore_patterns("build"))
+    return dest
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ('license = "Apache-2.0"\n', "", "field `general.license`"),
+        ('name = "toy"', 'name = "Toy_Kernel"', "rejected by kernel-builder's parser"),
+        ('depends = ["torch"]', 'depends = ["torch", "cutlass_9_9"]', "rejected by kernel-builder's parser"),
+        ("version = 1\n", 'version = "one"\n', "field `general.version` must be an int"),
+        ('[general.hub]\nrepo-id = "prime-intellect/toy"\n', "", "missing field `general.hub`"),
+        ("[torch]", "[torch", "not valid TOML"),
+    ],
+)
+def test_malformed_member_manifest_names_file_and_field(tmp_path, old, new, message):
+    member = _toy_copy(tmp_path)
+    manifest = member / "build.toml"
+    text = manifest.read_text()
+    assert old in text
+    manifest.write_text(text.replace(old, new))
+    with pytest.raises(ManifestError) as e:
+        read_member(member, {"version": 1})
+    assert str(manifest) in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "hub, message",
+    [
+        ("", "missing field `hub.toy`"),
+        ("[hub.toy]\nversion = 1\nrevision = \"main\"\n", "exactly one of `version` or `revision`"),
+        ("[hub.toy]\nversion = \"1\"\n", "field `hub.toy.version` must be an int"),
+        ("[hub.toy]\nversion = 1\n[hub.other]\nversion = 1\n", "`hub.other` pins a kernel that is not in"),
+    ],
+)
+def test_malformed_workspace_manifest_names_file_and_field(tmp_path, hub, message):
+    _toy_copy(tmp_path)
+    (tmp_path / "build.toml").write_text('[workspace]\nmembers = ["toy"]\n' + hub)
+    with pytest.raises(ManifestError) as e:
+        read_workspace(tmp_path)
+    assert str(tmp_path / "build.toml") in str(e.value) and message in str(e.value)
+
+
+def test_revision_pin_is_read(tmp_path):
+    _toy_copy(tmp_path)
+    (tmp_path / "build.toml").write_text('[workspace]\nmembers = ["toy"]\n[hub.toy]\nrevision = "0123abc"\n')
+    spec = read_workspace(tmp_path)["toy"]
+    assert (spec.hub_version, spec.hub_revision, spec.hub_pin) == (None, "0123abc", "revision 0123abc")
+
+
+@pytest.mark.parametrize("flake", ["flake.nix", "rmsnorm/flake.nix", "flash_moe/flake.nix"])
+def test_flake_parses_with_nix(flake):
+    nix = shutil.which("nix-instantiate")
+    if nix is None:
+        pytest.skip("nix-instantiate not installed (Debian's nix-bin; .ci/run installs it)")
+    result = subprocess.run([nix, "--parse", str(REPO / flake)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    text = (REPO / flake).read_text()
+    if flake == "flake.nix":
+        assert "apps" in text and "build" in text
+    else:
+        assert "kernel-builder.lib.genKernelFlakeOutputs" in text and "path = ./.;" in text
