@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The main job: install, print what can run here; on a CUDA machine also build every kernel
+# and run a short demo of each.
+source "$(dirname "$0")/env.sh"
+prime-kernels status
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  prime-kernels build
+  prime-kernels status
+  python scripts/demo.py
+else
+  echo "no CUDA device here: not building or running the kernels (the status above says why)"
+fi
