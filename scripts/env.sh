@@ -1,20 +1,23 @@
-# Sourced by scripts/run.sh and scripts/test.sh: a .venv with the workspace installed in it.
-# The venv sees the system's packages, so a machine's own CUDA build of torch is used as is;
-# without one, torch 2.14.1 (CUDA 13.0) is installed. With a .gpu-wheels/ folder (a GPU machine
-# with no network, see ../shared/tools/gpu-wheels.sh) everything installs from it, offline.
+# Sourced by scripts/run.sh, scripts/test.sh and .ci/gpu-run: sets PY to a Python that has the
+# workspace installed. Inside an active virtual environment (or a python3 that lives in one,
+# as on the GPU machine) that environment is used; otherwise .venv is made, seeing the system's
+# packages, so a machine's own CUDA torch is used as is. Without any torch, torch 2.14.1 (CUDA
+# 13.0) is installed. With a .gpu-wheels/ folder (a GPU machine with no network, see
+# ../shared/tools/gpu-wheels.sh) everything installs from that folder, offline.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv --system-site-packages .venv
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
+  [ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv
+  PY=$ROOT/.venv/bin/python
 fi
-# shellcheck disable=SC1091
-. .venv/bin/activate
-pip_quiet=(-q --disable-pip-version-check)
+export PY
+pip=("$PY" -m pip install -q --disable-pip-version-check)
 if [ -d .gpu-wheels ]; then
-  python -m pip install "${pip_quiet[@]}" --no-index --no-deps .gpu-wheels/*.whl
-  python -m pip install "${pip_quiet[@]}" --no-index --no-deps --no-build-isolation -e .
+  "${pip[@]}" --no-index --no-deps .gpu-wheels/*.whl
+  "${pip[@]}" --no-index --no-deps --no-build-isolation -e .
 else
-  python -c "import torch" 2>/dev/null || python -m pip install "${pip_quiet[@]}" "torch==2.14.1"
-  python -m pip install "${pip_quiet[@]}" -e ".[build,test]"
+  "$PY" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.14.1"
+  "${pip[@]}" -e ".[build,test]"
 fi

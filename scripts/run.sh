@@ -2,11 +2,11 @@
 # The main job: install, print what can run here; on a CUDA machine also build every kernel
 # and run a short demo of each.
 source "$(dirname "$0")/env.sh"
-prime-kernels status
-if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-  prime-kernels build
-  prime-kernels status
-  python scripts/demo.py
+"$PY" -m prime_kernels status
+if "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+  "$PY" -m prime_kernels build
+  "$PY" -m prime_kernels status
+  "$PY" scripts/demo.py
 else
   echo "no CUDA device here: not building or running the kernels (the status above says why)"
 fi

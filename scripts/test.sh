@@ -2,5 +2,5 @@
 # Every test: builds every member first (a kernel that does not compile fails here), then pytest.
 # GPU tests run where a GPU of the right capability is present and skip with the reason elsewhere.
 source "$(dirname "$0")/env.sh"
-prime-kernels build
-python -m pytest "$@"
+"$PY" -m prime_kernels build
+"$PY" -m pytest "$@"
