@@ -171,3 +171,18 @@ def test_local_build_loads_and_runs_on_the_gpu(built_toy):
     )
     result = run_python(code, built_toy)
     assert "ok True" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+def test_bad_input_raises_a_clear_error_not_a_crash(built_toy):
+    if gpu_capability() != (9, 0):
+        pytest.skip("the toy member is built for sm_90a; this needs an sm_90 GPU")
+    code = (
+        "import torch, prime_kernels\n"
+        "toy = prime_kernels.load('toy')\n"
+        "try:\n    toy.scale(torch.randn(4, 4, device='cuda'), 2.0)\n"
+        "except RuntimeError as e:\n    print('raised:', str(e).splitlines()[0])\n"
+    )
+    result = run_python(code, built_toy)
+    assert result.returncode == 0, f"rc={result.returncode}: {result.stderr[-2000:]}"
+    assert "raised: scale: x must be 1-D, got 2 dimensions" in result.stdout
