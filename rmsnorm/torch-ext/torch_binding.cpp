@@ -1,0 +1,163 @@
+#include <torch/library.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cmath>
+#include <string>
+
+#include "registration.h"
+#include "torch_binding.h"
+#include "rmsnorm_cuda/rmsnorm.cuh"
+
+namespace {
+
+// Messages are assembled from std::string pieces only: on the H200 image, streaming an integer
+// through c10::str / TORCH_CHECK from this extension segfaulted (strings and ScalarType were
+// fine), so numbers go through std::to_string and devices through Device::str().
+std::string num(int64_t v) { return std::to_string(v); }
+
+// "[4, 256]" without streaming an IntArrayRef.
+std::string dims(c10::IntArrayRef d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(d[i]);
+  }
+  return s + "]";
+}
+
+void check_cuda_bf16(const char* op, const char* name, const torch::Tensor& t, int64_t rank) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device().str());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, " must be bfloat16, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == rank, op, ": ", name, " must have rank ", num(rank), ", got rank ", num(t.dim()),
+              " (shape ", dims(t.sizes()), ")");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", dims(t.strides()));
+}
+
+void check_hidden(const char* op, const char* name, int64_t C) {
+  TORCH_CHECK(C >= 32 && C % 32 == 0, op, ": ", name,
+              " must have a last dimension C that is a positive multiple of 32, got C=", num(C));
+  TORCH_CHECK(C <= rmsnorm::kMaxC, op, ": ", name, " must have C <= ", num(rmsnorm::kMaxC),
+              ", got C=", num(C));
+}
+
+void check_same_device(const char* op, const char* name, const torch::Tensor& t,
+                       const torch::Tensor& ref, const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ",
+              ref_name, " (", ref.device().str(), "), got ", t.device().str());
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fused_rmsnorm_residual(
+    const torch::Tensor& branch, const torch::Tensor& residual, const torch::Tensor& weight,
+    double epsilon) {
+  constexpr const char* op = "fused_rmsnorm_residual";
+  check_cuda_bf16(op, "branch", branch, 2);
+  check_cuda_bf16(op, "residual", residual, 2);
+  check_cuda_bf16(op, "weight", weight, 1);
+  const int64_t N = branch.size(0), C = branch.size(1);
+  check_hidden(op, "branch", C);
+  TORCH_CHECK(residual.sizes() == branch.sizes(), op, ": residual must have the shape of branch ",
+              dims(branch.sizes()), ", got ", dims(residual.sizes()));
+  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
+              num(weight.size(0)));
+  check_same_device(op, "residual", residual, branch, "branch");
+  check_same_device(op, "weight", weight, branch, "branch");
+  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0.0, op,
+              ": epsilon must be finite and >= 0, got ", std::to_string(epsilon));
+
+  const c10::cuda::CUDAGuard guard(branch.device());
+  auto opts = branch.options();
+  torch::Tensor vals = torch::empty({N, C}, opts.dtype(at::kFloat8_e4m3fn));
+  torch::Tensor scales =
+      torch::empty({rmsnorm::scales_bytes(N, C)}, opts.dtype(at::kFloat8_e8m0fnu));
+  torch::Tensor rrms = torch::empty({N}, opts.dtype(at::kFloat));
+  if (N == 0) return {vals, scales, rrms};
+  const cudaError_t err = rmsnorm::fused_rmsnorm_residual_forward(
+      branch.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+      reinterpret_cast<uint8_t*>(vals.data_ptr()), reinterpret_cast<uint8_t*>(scales.data_ptr()),
+      rrms.data_ptr<float>(), N, C, static_cast<float>(epsilon),
+      at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  return {vals, scales, rrms};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> fused_rmsnorm_residual_backward(
+    const torch::Tensor& grad_y, const torch::Tensor& branch, const torch::Tensor& weight,
+    const torch::Tensor& rrms) {
+  constexpr const char* op = "fused_rmsnorm_residual_backward";
+  check_cuda_bf16(op, "grad_y", grad_y, 2);
+  check_cuda_bf16(op, "branch", branch, 2);
+  check_cuda_bf16(op, "weight", weight, 1);
+  const int64_t N = branch.size(0), C = branch.size(1);
+  check_hidden(op, "branch", C);
+  TORCH_CHECK(grad_y.sizes() == branch.sizes(), op, ": grad_y must have the shape of branch ",
+              dims(branch.sizes()), ", got ", dims(grad_y.sizes()));
+  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
+              num(weight.size(0)));
+  TORCH_CHECK(rrms.is_cuda(), op, ": rrms must be a CUDA tensor, got device ", rrms.device().str());
+  TORCH_CHECK(rrms.scalar_type() == at::kFloat, op, ": rrms must be float32, got ",
+              rrms.scalar_type());
+  TORCH_CHECK(rrms.dim() == 1 && rrms.size(0) == N, op, ": rrms must have shape (N,) = (", num(N),
+              ",), got ", dims(rrms.sizes()));
+  TORCH_CHECK(rrms.is_contiguous(), op, ": rrms must be contiguous, got strides ", dims(rrms.strides()));
+  check_same_device(op, "grad_y", grad_y, branch, "branch");
+  check_same_device(op, "weight", weight, branch, "branch");
+  check_same_device(op, "rrms", rrms, branch, "branch");
+
+  const c10::cuda::CUDAGuard guard(branch.device());
+  auto opts = branch.options();
+  torch::Tensor grad_branch = torch::empty({N, C}, opts);
+  torch::Tensor grad_weight = torch::empty({C}, opts);
+  const int device = branch.get_device();
+  const int64_t ws = rmsnorm::backward_workspace_floats(N, C, device);
+  torch::Tensor workspace = torch::empty({ws > 0 ? ws : 1}, opts.dtype(at::kFloat));
+  const cudaError_t err = rmsnorm::fused_rmsnorm_residual_backward(
+      grad_y.data_ptr(), branch.data_ptr(), weight.data_ptr(), rrms.data_ptr<float>(),
+      grad_branch.data_ptr(), grad_weight.data_ptr(), workspace.data_ptr<float>(), N, C, device,
+      at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  return {grad_branch, grad_weight};
+}
+
+// A zero-cost bf16 (N, C) handle whose gradient is the STE gradient of y (see __init__.py): the
+// value is a broadcast zero (no storage of its own); its autograd backward runs the backward op.
+torch::Tensor fused_rmsnorm_residual_grad_port(const torch::Tensor& branch,
+                                               const torch::Tensor& residual,
+                                               const torch::Tensor& weight,
+                                               const torch::Tensor& rrms) {
+  constexpr const char* op = "fused_rmsnorm_residual_grad_port";
+  check_cuda_bf16(op, "branch", branch, 2);
+  check_cuda_bf16(op, "residual", residual, 2);
+  check_cuda_bf16(op, "weight", weight, 1);
+  const int64_t N = branch.size(0), C = branch.size(1);
+  check_hidden(op, "branch", C);
+  TORCH_CHECK(residual.sizes() == branch.sizes(), op, ": residual must have the shape of branch ",
+              dims(branch.sizes()), ", got ", dims(residual.sizes()));
+  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
+              num(weight.size(0)));
+  TORCH_CHECK(rrms.scalar_type() == at::kFloat && rrms.dim() == 1 && rrms.size(0) == N, op,
+              ": rrms must be float32 of shape (", num(N), ",), got ", rrms.scalar_type(), " ",
+              dims(rrms.sizes()));
+  return torch::zeros({}, branch.options()).expand({N, C});
+}
+
+TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
+  ops.def(
+      "fused_rmsnorm_residual(Tensor branch, Tensor residual, Tensor weight, float epsilon=1e-06)"
+      " -> (Tensor vals, Tensor scales, Tensor rrms)");
+  ops.impl("fused_rmsnorm_residual", torch::kCUDA, &fused_rmsnorm_residual);
+  ops.def(
+      "fused_rmsnorm_residual_backward(Tensor grad_y, Tensor branch, Tensor weight, Tensor rrms)"
+      " -> (Tensor grad_branch, Tensor grad_weight)");
+  ops.impl("fused_rmsnorm_residual_backward", torch::kCUDA, &fused_rmsnorm_residual_backward);
+  ops.def(
+      "fused_rmsnorm_residual_grad_port(Tensor branch, Tensor residual, Tensor weight, Tensor rrms)"
+      " -> Tensor");
+  ops.impl("fused_rmsnorm_residual_grad_port", torch::kCUDA, &fused_rmsnorm_residual_grad_port);
+}
+
+REGISTER_EXTENSION(TORCH_EXTENSION_NAME)
