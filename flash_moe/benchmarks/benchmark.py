@@ -1,0 +1,93 @@
+"""`kernels benchmark` convention: Benchmark subclasses for flash_moe (DESIGN §9 shapes).
+
+Run with `kernels benchmark prime-intellect/flash_moe` (or a local path). Each benchmark_*
+method times one fused_moe_bf16 forward (moe_align included); verify_* returns the fp32
+reference the runner compares self.out against.
+"""
+
+import importlib.util
+import pathlib
+
+import torch
+from kernels.benchmark import Benchmark
+
+_REF = pathlib.Path(__file__).resolve().parents[1] / "torch-ext" / "flash_moe" / "reference.py"
+
+
+def _reference():
+    spec = importlib.util.spec_from_file_location("flash_moe_reference", _REF)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+class _MoEBench(Benchmark):
+    seed = 0
+    shape = (8192, 2048, 768, 64, 8)  # tokens, dim, hidden, experts, top_k
+
+    def setup(self):
+        T, K, I, E, k = self.shape
+        self.x = torch.randn(T, K, device=self.device, dtype=torch.bfloat16)
+        self.w = torch.randn(E, 2 * I, K, device=self.device, dtype=torch.bfloat16) / K ** 0.5
+        self.w2 = torch.randn(E, K, I, device=self.device, dtype=torch.bfloat16) / I ** 0.5
+        self.ids = torch.rand(T, E, device=self.device).topk(k, dim=1).indices.to(torch.int32).contiguous()
+        self.wt = torch.softmax(torch.randn(T, k, device=self.device), -1).contiguous()
+        self.out = torch.empty(T, K, device=self.device, dtype=torch.bfloat16)
+
+    def _forward(self):
+        E, k = self.shape[3], self.shape[4]
+        s, e, n = self.kernel.moe_align(self.ids, E)
+        self.kernel.fused_moe_bf16(self.x, self.w, self.w2, s, e, n, self.wt, self.out, k)
+
+    def _verify(self):
+        return _reference().moe_fp32(self.x, self.w, self.w2, self.ids, self.wt).to(torch.bfloat16)
+
+
+class MoE8k2048x768E64(_MoEBench):
+    shape = (8192, 2048, 768, 64, 8)
+
+    def benchmark_fused_moe_bf16(self):
+        self._forward()
+
+    def verify_fused_moe_bf16(self):
+        return self._verify()
+
+
+class MoE16k2048x768E128(_MoEBench):
+    shape = (16384, 2048, 768, 128, 8)
+
+    def benchmark_fused_moe_bf16(self):
+        self._forward()
+
+    def verify_fused_moe_bf16(self):
+        return self._verify()
+
+
+class MoE8k4096x1536E128(_MoEBench):
+    shape = (8192, 4096, 1536, 128, 8)
+
+    def benchmark_fused_moe_bf16(self):
+        self._forward()
+
+    def verify_fused_moe_bf16(self):
+        return self._verify()
+
+
+class MoE8k7168x2048E256(_MoEBench):
+    shape = (8192, 7168, 2048, 256, 8)
+
+    def benchmark_fused_moe_bf16(self):
+        self._forward()
+
+    def verify_fused_moe_bf16(self):
+        return self._verify()
+
+
+class MoE1k2048x768E128(_MoEBench):
+    shape = (1024, 2048, 768, 128, 8)
+
+    def benchmark_fused_moe_bf16(self):
+        self._forward()
+
+    def verify_fused_moe_bf16(self):
+        return self._verify()

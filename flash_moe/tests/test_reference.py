@@ -1,0 +1,164 @@
+"""CPU tests: the pure-PyTorch references, layouts, bit patterns, shape rules (no GPU needed)."""
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+MEMBER = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_moe_align_small_exact(reference):
+    ids = torch.tensor([[3, 1], [1, -1], [0, 3], [7, 1]], dtype=torch.int32)  # 7 >= E: dropped like -1
+    s, e, n = reference.moe_align(ids, 4, block_m=4)
+    S = 8  # sentinel M*top_k
+    # expert 0: slot 4; expert 1: slots 1, 2, 7; expert 3: slots 0, 5
+    assert s[:12].tolist() == [4, S, S, S, 1, 2, 7, S, 0, 5, S, S]
+    assert n.tolist() == [12]
+    assert e.tolist()[:3] == [0, 1, 3]
+    assert all(v == -1 for v in e.tolist()[3:])
+    assert (s[12:] == S).all()
+    assert s.numel() == reference.aligned_length(8, 4, 4) == (8 + 4 * 3 + 3) // 4 * 4
+
+
+@pytest.mark.parametrize("M,top_k,E,bm", [(1, 1, 1, 128), (37, 4, 16, 128), (300, 8, 64, 128), (64, 16, 512, 128),
+                                          (50, 2, 3, 16)])
+def test_moe_align_invariants(reference, M, top_k, E, bm):
+    g = torch.Generator().manual_seed(M * 131 + E)
+    ids = torch.randint(-1, E, (M, top_k), generator=g, dtype=torch.int32)
+    s, e, n = reference.moe_align(ids, E, block_m=bm)
+    n_slots = M * top_k
+    L = reference.aligned_length(n_slots, E, bm)
+    assert s.numel() == L and L % bm == 0 and e.numel() == L // bm
+    ntpp = int(n)
+    assert ntpp % bm == 0 and ntpp <= L
+    flat = ids.reshape(-1)
+    live = s[:ntpp][s[:ntpp] != n_slots]
+    # every live slot once, -1 slots never
+    assert sorted(live.tolist()) == torch.nonzero(flat >= 0).reshape(-1).tolist()
+    for b in range(ntpp // bm):
+        blk = s[b * bm:(b + 1) * bm]
+        real = blk[blk != n_slots]
+        assert (flat[real.long()] == e[b]).all()
+        assert real.tolist() == sorted(real.tolist())  # stable inside the expert
+    assert (e[ntpp // bm:] == -1).all()
+    assert (s[ntpp:] == n_slots).all()
+
+
+def test_reference_fused_matches_fp32_truth(reference):
+    g = torch.Generator().manual_seed(0)
+    M, K, I, E, top_k = 33, 64, 32, 5, 3
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(E, 2 * I, K, generator=g) / K ** 0.5).bfloat16()
+    w2 = (torch.randn(E, K, I, generator=g) / I ** 0.5).bfloat16()
+    ids = torch.randint(-1, E, (M, top_k), generator=g, dtype=torch.int32)
+    wt = torch.rand(M, top_k, generator=g)
+    s, e, n = reference.moe_align(ids, E)
+    out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
+    reference.fused_moe_bf16(x, w, w2, s, e, n, wt, out, top_k)
+    truth = reference.moe_fp32(x, w, w2, ids, wt, dtype=torch.float64)
+    err = ((out.double() - truth).norm() / truth.norm()).item()
+    assert err < 1e-2
+    base = torch.randn(M, K, generator=g).bfloat16()
+    out2 = base.clone()
+    reference.fused_moe_bf16(x, w, w2, s, e, n, wt, out2, top_k, split=False)
+    assert ((out2.double() - base.double() - truth).norm() / truth.norm()).item() < 2e-2
+    gm = reference.grouped_mm_path(x, w, w2, ids, wt)
+    assert ((gm.double() - truth).norm() / truth.norm()).item() < 3e-2
+
+
+def test_pack_scales_blocked_offsets(reference):
+    g = torch.Generator().manual_seed(1)
+    for R, S in [(1, 1), (130, 5), (256, 8), (129, 3)]:
+        sc = torch.randint(0, 255, (R, S), generator=g, dtype=torch.int32).to(torch.uint8)
+        p = reference.pack_scales_blocked(sc)
+        Rp, Sp = (R + 127) // 128 * 128, (S + 3) // 4 * 4
+        assert p.numel() == Rp * Sp
+        expect = torch.zeros(Rp * Sp, dtype=torch.uint8)
+        for r in range(R):
+            for s in range(S):
+                expect[reference.blocked_offset(r, s, S)] = sc[r, s]
+        assert torch.equal(p, expect)
+
+
+def test_quantize_mxfp8_bit_patterns(reference):
+    # block 0: amax 448 -> t = 1.0 exactly -> byte 127; block 1: zeros -> byte 0;
+    # block 2: amax 449 -> t > 1 with mantissa -> byte 128; block 3: inf -> 255
+    y = torch.zeros(1, 128)
+    y[0, 0] = 448.0
+    y[0, 64] = 449.0
+    y[0, 96] = float("inf")
+    vals, sc = reference.quantize_mxfp8(y)
+    assert sc.tolist() == [[127, 0, 128, 255]]
+    assert vals[0, 0].float().item() == 448.0
+    assert vals[0, 64].float().item() == 224.0  # 449/2 -> rne to e4m3 224
+    assert vals.dtype == torch.float8_e4m3fn
+    # saturation: a value that would round above 448 after scaling is clamped
+    z = torch.full((1, 32), 1.0)
+    z[0, 0] = 1.0
+    v2, s2 = reference.quantize_mxfp8(z)
+    assert s2.item() == 127 - 8  # t = 1/448: exponent -9 with mantissa -> 2^-8 -> byte 119
+    assert v2.float().max().item() <= 448.0
+
+
+def _init_module(reference):
+    """The package __init__ with a stub ._ops (no native code), to test pure-Python parts."""
+    import importlib.util
+    import sys
+    import types
+
+    pkg = types.ModuleType("flash_moe_cpu_pkg")
+    pkg.__path__ = [str(MEMBER / "torch-ext" / "flash_moe")]
+    ops_mod = types.ModuleType("flash_moe_cpu_pkg._ops")
+    lib = torch.library.Library("flash_moe_cpu_test", "FRAGMENT")
+    lib.define("moe_align(Tensor topk_ids, int num_experts, int block_m, int bpc) -> (Tensor, Tensor, Tensor)")
+    lib.define("fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
+               "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, "
+               "int block_n, int warp_n, int stages, int bpc, int cpc, bool split) -> ()")
+    ops_mod.ops = torch.ops.flash_moe_cpu_test
+    ops_mod.add_op_namespace_prefix = lambda name: f"flash_moe_cpu_test::{name}"
+    ops_mod._lib = lib
+    sys.modules["flash_moe_cpu_pkg"] = pkg
+    sys.modules["flash_moe_cpu_pkg._ops"] = ops_mod
+    spec = importlib.util.spec_from_file_location("flash_moe_cpu_pkg", MEMBER / "torch-ext" / "flash_moe" / "__init__.py",
+                                                  submodule_search_locations=pkg.__path__)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["flash_moe_cpu_pkg"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def pkg(reference):
+    return _init_module(reference)
+
+
+def test_unsupported_shape_reason(pkg):
+    for dim, hidden in [(2048, 768), (4096, 1536), (7168, 2048), (2048, 1408), (5120, 1536), (2048, 512),
+                        (2880, 2880)]:
+        assert pkg.unsupported_shape_reason(dim, hidden) is None
+        assert pkg.unsupported_shape_reason(dim, hidden, split=False) is None
+    assert "multiple of 8" in pkg.unsupported_shape_reason(2050, 768)
+    assert "hidden_dim" in pkg.unsupported_shape_reason(2048, 770)
+    assert "mxfp8" in pkg.unsupported_shape_reason(2048, 768, mxfp8=True)
+    assert pkg.BLOCK_M == 128 and pkg.MXFP8_SCALE_BLOCK == 32
+
+
+def test_fake_kernels_shapes(pkg):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ids = torch.empty(100, 8, dtype=torch.int32)
+        s, e, n = pkg.ops.moe_align(ids, 64, 128, 1)
+        L = (800 + 64 * 127 + 127) // 128 * 128
+        assert s.shape == (L,) and e.shape == (L // 128,) and n.shape == (1,)
+
+
+def test_build_toml_src_matches_sources():
+    text = (MEMBER / "build.toml").read_text()
+    kernel = text.split("[kernel.flash_moe]")[1]
+    src = re.findall(r'"(flash_moe_cuda/[^"]+)"', kernel)
+    on_disk = sorted(p.relative_to(MEMBER).as_posix() for p in (MEMBER / "flash_moe_cuda").iterdir()
+                     if p.suffix in (".cu", ".cuh"))
+    assert sorted(src) == on_disk

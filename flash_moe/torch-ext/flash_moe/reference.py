@@ -1,0 +1,208 @@
+"""Pure-PyTorch references of every flash_moe op (CPU-capable, no native code).
+
+This file is loaded by file path in the tests (it must not import the package or `._ops`).
+The references define the semantics the CUDA kernels are held to:
+
+- `moe_align`: flat slot ids `t*top_k + k` grouped by expert, ascending slot id inside an
+  expert (stable), each expert's run padded to a multiple of `block_m` with the sentinel
+  `M*top_k`, `expert_ids[b]` per block of `block_m`, -1 for unused tail blocks, total buffer
+  length `ceil((n + E*(block_m-1))/block_m)*block_m`. Ids outside `[0, E)` (-1: routed to
+  another rank) are dropped.
+- `fused_moe_bf16`: fp32 accumulation, the SwiGLU output rounded to bf16 between the GEMMs
+  (as the kernel does), per-slot results rounded to bf16, top-k sum in fp32 in ascending k.
+- `moe_fp32`: the exact definition in fp32 (truth for accuracy tests).
+- `quantize_mxfp8`, `pack_scales_blocked`: DESIGN §6 (RCEIL scales, e4m3 satfinite RNE,
+  blocked 128x4 scale layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_M = 128
+MXFP8_SCALE_BLOCK = 32
+
+
+def aligned_length(n_slots: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Length of moe_align's sorted_token_ids buffer for n_slots = M*top_k flat slots."""
+    return (n_slots + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
+    """Reference of `flash_moe.moe_align`; returns (sorted_token_ids, expert_ids, num_tokens_post_padded)."""
+    if bpc != 1:
+        raise ValueError(f"moe_align: bpc must be 1, got {bpc}")
+    ids = topk_ids.reshape(-1).to(torch.int64).cpu()
+    n = ids.numel()
+    L = aligned_length(n, num_experts, block_m)
+    sentinel = n
+    sorted_ids = torch.full((L,), sentinel, dtype=torch.int32)
+    expert_ids = torch.full((L // block_m,), -1, dtype=torch.int32)
+    pos = 0
+    for e in range(num_experts):
+        slots = torch.nonzero(ids == e).reshape(-1)  # ascending slot order
+        c = slots.numel()
+        if c == 0:
+            continue
+        sorted_ids[pos:pos + c] = slots.to(torch.int32)
+        padded = (c + block_m - 1) // block_m * block_m
+        expert_ids[pos // block_m:(pos + padded) // block_m] = e
+        pos += padded
+    dev = topk_ids.device
+    return sorted_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32, device=dev)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def moe_fp32(x, w, w2, topk_ids, topk_weights, dtype=torch.float32):
+    """Truth: out[t] = sum_k wt[t,k] * w2[e] @ (silu(w[e,:I] @ x[t]) * (w[e,I:] @ x[t])), in `dtype`.
+
+    x (M, K), w (E, 2I, K), w2 (E, K, I), topk_ids (M, top_k) (ids outside [0, E) dropped),
+    topk_weights (M, top_k). Returns (M, K) in `dtype`.
+    """
+    M, K = x.shape
+    E, N, _ = w.shape
+    I = N // 2
+    xf, wf, w2f = x.to(dtype), w.to(dtype), w2.to(dtype)
+    out = torch.zeros(M, K, dtype=dtype, device=x.device)
+    ids = topk_ids.to(torch.int64)
+    for e in range(E):
+        t, k = torch.nonzero(ids == e, as_tuple=True)
+        if t.numel() == 0:
+            continue
+        xe = xf[t]
+        h = _silu_mul(xe @ wf[e, :I].T, xe @ wf[e, I:].T)
+        y = (h @ w2f[e].T) * topk_weights[t, k].to(dtype)[:, None]
+        out.index_add_(0, t, y)
+    return out
+
+
+def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k,
+                   block_m: int = BLOCK_M, split: bool = True):
+    """Reference of `flash_moe.fused_moe_bf16` (fp32 accumulation, bf16 h, bf16 per-slot rows).
+
+    Writes `out` in place and returns it: split=True overwrites out, split=False adds into it.
+    """
+    M, K = x.shape
+    E, N, _ = w.shape
+    I = N // 2
+    n_slots = M * top_k
+    ntpp = int(num_tokens_post_padded.reshape(-1)[0])
+    sid = sorted_token_ids[:ntpp].to(torch.int64).cpu()
+    eid = expert_ids.to(torch.int64).cpu()
+    acc = torch.zeros(n_slots, K, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    wts = topk_weights.reshape(-1).float()
+    for b in range(ntpp // block_m):
+        e = int(eid[b])
+        if e < 0 or e >= E:
+            continue
+        rows = sid[b * block_m:(b + 1) * block_m]
+        rows = rows[(rows >= 0) & (rows < n_slots)]
+        if rows.numel() == 0:
+            continue
+        rows_d = rows.to(x.device)
+        xe = xf[rows_d // top_k]
+        we = w[e].float()
+        h = _silu_mul(xe @ we[:I].T, xe @ we[I:].T).to(torch.bfloat16).float()
+        y = (h @ w2[e].float().T) * wts[rows_d][:, None]
+        acc[rows_d] = y.to(torch.bfloat16).float()
+    res = acc.view(M, top_k, K).sum(1)
+    if not split:
+        res = res + out.float()
+    out.copy_(res.to(out.dtype))
+    return out
+
+
+def grouped_mm_path(x, w, w2, topk_ids, topk_weights):
+    """The unfused bf16 path (sort, gather, per-expert bf16 GEMMs, weight, index_add) in bf16.
+
+    Used as the accuracy yardstick: the fused kernel's error vs fp32 must be <= 1.5x this one's.
+    """
+    M, K = x.shape
+    E, N, _ = w.shape
+    I = N // 2
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    valid = (ids >= 0) & (ids < E)
+    slots = torch.nonzero(valid).reshape(-1)
+    order = torch.argsort(ids[slots], stable=True)
+    slots = slots[order]
+    tok = slots // topk_ids.shape[1]
+    xs = x[tok]
+    counts = torch.bincount(ids[slots], minlength=E).tolist()
+    out = torch.zeros(M, K, dtype=x.dtype, device=x.device)
+    start = 0
+    ys = []
+    for e in range(E):
+        c = counts[e]
+        if c == 0:
+            continue
+        xe = xs[start:start + c]
+        g = xe @ w[e, :I].T
+        u = xe @ w[e, I:].T
+        h = torch.nn.functional.silu(g) * u
+        ys.append(h @ w2[e].T)
+        start += c
+    if ys:
+        y = torch.cat(ys) * topk_weights.reshape(-1)[slots].to(x.dtype)[:, None]
+        out.index_add_(0, tok, y)
+    return out
+
+
+# ---------------------------------------------------------------- MXFP8 (DESIGN §6)
+
+def _e8m0_rceil(amax: torch.Tensor) -> torch.Tensor:
+    """Scale byte per block: biased exponent of amax*fp32(1/448), +1 if any mantissa bit, clamp [0,254]."""
+    amax = amax.float()
+    t = amax * torch.tensor(1.0 / 448.0, dtype=torch.float32)
+    bits = t.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    byte = exp + (mant != 0).to(torch.int32)
+    byte = byte.clamp(0, 254)
+    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
+    byte = torch.where(torch.isfinite(amax), byte, torch.full_like(byte, 255))
+    return byte.to(torch.uint8)
+
+
+def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
+    """MXFP8 quantization along the last dim (blocks of 32): returns (values e4m3, scales uint8 e8m0).
+
+    scales are row-major (R, K/32) unless blocked=True (then `pack_scales_blocked` of them).
+    """
+    K = t.shape[-1]
+    if K % MXFP8_SCALE_BLOCK != 0:
+        raise ValueError(f"quantize_mxfp8: last dim must be a multiple of 32, got {K}")
+    y = t.float().reshape(-1, K // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK)
+    amax = y.abs().amax(-1)
+    byte = _e8m0_rceil(amax)
+    # y * 2^(127 - byte): exact power-of-two scaling (byte 255 -> NaN scale)
+    e = 127 - byte.to(torch.int32)
+    scale = torch.ldexp(torch.ones_like(amax), e.float())
+    scale = torch.where(byte == 255, torch.full_like(scale, float("nan")), scale)
+    q = (y * scale[..., None]).clamp(-448.0, 448.0)
+    q = torch.where(torch.isnan(y * scale[..., None]), y * scale[..., None], q)
+    vals = q.to(torch.float8_e4m3fn).reshape(t.shape)
+    scales = byte.reshape(*t.shape[:-1], K // MXFP8_SCALE_BLOCK)
+    if blocked:
+        scales = pack_scales_blocked(scales.reshape(-1, K // MXFP8_SCALE_BLOCK))
+    return vals, scales
+
+
+def blocked_offset(r: int, s: int, S: int) -> int:
+    """Byte offset of scale (r, s) in the blocked layout of an (R, S) scale matrix."""
+    return ((r // 128) * ((S + 3) // 4) + s // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + s % 4
+
+
+def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """(R, S) uint8 scales -> flat uint8 in the 128x4 blocked layout (R padded to 128, S to 4, zeros)."""
+    R, S = scales.shape
+    Rp = (R + 127) // 128 * 128
+    Sp = (S + 3) // 4 * 4
+    p = torch.zeros(Rp, Sp, dtype=torch.uint8, device=scales.device)
+    p[:R, :S] = scales.to(torch.uint8)
+    # (Rp/128, 4, 32, Sp/4, 4) -> (Rp/128, Sp/4, 32, 4(r%128//32), 4(s%4))
+    b = p.view(Rp // 128, 4, 32, Sp // 4, 4).permute(0, 3, 2, 1, 4)
+    return b.reshape(-1).contiguous()

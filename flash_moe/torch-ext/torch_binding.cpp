@@ -1,0 +1,231 @@
+// Torch binding of flash_moe: input rules (TORCH_CHECK naming argument, value and rule) and
+// the calls into the raw-pointer launchers of flash_moe_cuda/flash_moe.cuh.
+#include <torch/library.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "registration.h"
+#include "torch_binding.h"
+#include "../flash_moe_cuda/flash_moe.cuh"
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+// Messages are assembled here with std::to_string and std::string only: streaming integers
+// through std::ostream inside this extension crashed on the GPU machine (SIGSEGV in
+// std::basic_ostream::_M_insert<long> / codecvt, seen with torch 2.11 + the local builder),
+// so no argument of a TORCH_CHECK below is an integer, a shape or a device.
+void fm_append(std::string& s, const char* v) { s += v; }
+void fm_append(std::string& s, const std::string& v) { s += v; }
+void fm_append(std::string& s, int64_t v) { s += std::to_string(v); }
+void fm_append(std::string& s, int v) { s += std::to_string(v); }
+void fm_append(std::string& s, at::IntArrayRef v) {
+  s += "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += "]";
+}
+void fm_append(std::string& s, const c10::Device& d) { s += d.str(); }
+void fm_append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+void fm_append(std::string& s, const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", p);
+  s += buf;
+}
+template <typename... Args>
+std::string fm_msg(const Args&... args) {
+  std::string s;
+  (fm_append(s, args), ...);
+  return s;
+}
+
+}  // namespace
+
+// TORCH_CHECK with a message assembled without iostreams (see above).
+#define FM_CHECK(cond, ...) TORCH_CHECK(cond, fm_msg(__VA_ARGS__).c_str())
+
+namespace {
+
+int64_t aligned_length(int64_t n_slots, int64_t E, int64_t block_m) {
+  return (n_slots + E * (block_m - 1) + block_m - 1) / block_m * block_m;
+}
+
+void check_cuda_contig(const at::Tensor& t, const char* op, const char* name) {
+  FM_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  FM_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides(), " for sizes ",
+              t.sizes());
+}
+
+void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const char* name) {
+  FM_CHECK(t.scalar_type() == want, op, ": ", name, " must have dtype ", want, ", got ", t.scalar_type());
+}
+
+void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
+  FM_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as x (", ref.device(),
+              "), got ", t.device());
+}
+
+void check_aligned16(const at::Tensor& t, const char* op, const char* name) {
+  FM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
+              " must start at a 16-byte aligned address (TMA/vector loads), got data_ptr ", t.data_ptr());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts,
+                                                         int64_t block_m, int64_t bpc) {
+  const char* op = "moe_align";
+  check_cuda_contig(topk_ids, op, "topk_ids");
+  check_dtype(topk_ids, at::kInt, op, "topk_ids");
+  FM_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be 2-D (M, top_k), got shape ", topk_ids.sizes());
+  const int64_t top_k = topk_ids.size(1);
+  FM_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": topk_ids.size(1) (top_k) must be in [1, ",
+              flash_moe::kMaxTopK, "], got ", top_k);
+  FM_CHECK(num_experts >= 1 && num_experts <= flash_moe::kMaxExperts, op, ": num_experts must be in [1, ",
+              flash_moe::kMaxExperts, "], got ", num_experts);
+  FM_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM,
+              " (the only token block the Hopper kernel implements), got ", block_m);
+  FM_CHECK(bpc == 1, op, ": bpc must be 1 (clusters of several blocks are not implemented), got ", bpc);
+  const int64_t n = topk_ids.numel();
+  FM_CHECK(n + num_experts * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
+              n);
+  const c10::cuda::CUDAGuard guard(topk_ids.device());
+  const int64_t L = aligned_length(n, num_experts, block_m);
+  auto iopt = topk_ids.options();
+  at::Tensor sorted = at::empty({L}, iopt);
+  at::Tensor experts = at::empty({L / block_m}, iopt);
+  at::Tensor ntpp = at::empty({1}, iopt);
+  at::Tensor ws = at::empty({flash_moe::moe_align_workspace_ints(n, (int)num_experts)}, iopt);
+  const cudaError_t err = flash_moe::moe_align(topk_ids.data_ptr<int32_t>(), n, (int)num_experts, (int)block_m,
+                                               sorted.data_ptr<int32_t>(), L, experts.data_ptr<int32_t>(),
+                                               ntpp.data_ptr<int32_t>(), ws.data_ptr<int32_t>(),
+                                               at::cuda::getCurrentCUDAStream());
+  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  return {sorted, experts, ntpp};
+}
+
+void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
+                    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                    const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
+                    int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                    int64_t cpc, bool split) {
+  const char* op = "fused_moe_bf16";
+  // tuning arguments: exactly what the Hopper kernel implements
+  FM_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
+  FM_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
+  FM_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
+  FM_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
+              flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
+  FM_CHECK(bpc == 1, op, ": bpc must be 1, got ", bpc);
+  FM_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
+  FM_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
+              "], got ", top_k);
+
+  check_cuda_contig(x, op, "x");
+  check_cuda_contig(w, op, "w");
+  check_cuda_contig(w2, op, "w2");
+  check_cuda_contig(sorted_token_ids, op, "sorted_token_ids");
+  check_cuda_contig(expert_ids, op, "expert_ids");
+  check_cuda_contig(num_tokens_post_padded, op, "num_tokens_post_padded");
+  check_cuda_contig(topk_weights, op, "topk_weights");
+  check_cuda_contig(out, op, "out");
+  check_same_device(w, x, op, "w");
+  check_same_device(w2, x, op, "w2");
+  check_same_device(sorted_token_ids, x, op, "sorted_token_ids");
+  check_same_device(expert_ids, x, op, "expert_ids");
+  check_same_device(num_tokens_post_padded, x, op, "num_tokens_post_padded");
+  check_same_device(topk_weights, x, op, "topk_weights");
+  check_same_device(out, x, op, "out");
+  check_dtype(x, at::kBFloat16, op, "x");
+  check_dtype(w, at::kBFloat16, op, "w");
+  check_dtype(w2, at::kBFloat16, op, "w2");
+  check_dtype(out, at::kBFloat16, op, "out");
+  check_dtype(sorted_token_ids, at::kInt, op, "sorted_token_ids");
+  check_dtype(expert_ids, at::kInt, op, "expert_ids");
+  check_dtype(num_tokens_post_padded, at::kInt, op, "num_tokens_post_padded");
+  check_dtype(topk_weights, at::kFloat, op, "topk_weights");
+
+  FM_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  FM_CHECK(w.dim() == 3, op, ": w must be 3-D (E, 2*I, K), got shape ", w.sizes());
+  const int64_t E = w.size(0), N = w.size(1);
+  FM_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": w.size(0) (experts) must be in [1, ",
+              flash_moe::kMaxExperts, "], got ", E);
+  FM_CHECK(w.size(2) == K, op, ": w.size(2) must equal x.size(1) = ", K, ", got ", w.size(2));
+  FM_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
+  const int64_t I = N / 2;
+  FM_CHECK(K > 0 && K % 8 == 0, op, ": x.size(1) (K) must be a positive multiple of 8, got ", K);
+  FM_CHECK(I % 8 == 0, op, ": I = w.size(1)/2 must be a multiple of 8, got ", I);
+  FM_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, K, I), got shape ", w2.sizes());
+  FM_CHECK(w2.size(0) == E, op, ": w2.size(0) must equal w.size(0) = ", E, ", got ", w2.size(0));
+  FM_CHECK(w2.size(1) == K, op, ": w2.size(1) must equal x.size(1) = ", K, ", got ", w2.size(1));
+  FM_CHECK(w2.size(2) == I, op, ": w2.size(2) must equal w.size(1)/2 = ", I, ", got ", w2.size(2));
+  FM_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, op, ": out must have shape (", M, ", ", K,
+              ") like x, got ", out.sizes());
+  FM_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == M && topk_weights.size(1) == top_k, op,
+              ": topk_weights must have shape (M, top_k) = (", M, ", ", top_k, "), got ", topk_weights.sizes());
+  FM_CHECK(M * top_k + E * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
+              M * top_k);
+  FM_CHECK(sorted_token_ids.dim() == 1, op, ": sorted_token_ids must be 1-D, got shape ",
+              sorted_token_ids.sizes());
+  const int64_t L = sorted_token_ids.size(0);
+  const int64_t need = aligned_length(M * top_k, E, block_m);
+  FM_CHECK(L >= need && L % block_m == 0, op,
+              ": sorted_token_ids must have moe_align's length ceil((M*top_k + E*(block_m-1))/block_m)*block_m = ",
+              need, " (or longer, a multiple of block_m), got ", L);
+  FM_CHECK(L < (int64_t(1) << 31), op, ": sorted_token_ids length must be below 2^31, got ", L);
+  FM_CHECK(expert_ids.dim() == 1 && expert_ids.size(0) >= L / block_m, op,
+              ": expert_ids must be 1-D with at least len(sorted_token_ids)/block_m = ", L / block_m,
+              " entries, got shape ", expert_ids.sizes());
+  FM_CHECK(num_tokens_post_padded.numel() >= 1, op,
+              ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
+  check_aligned16(x, op, "x");
+  check_aligned16(w, op, "w");
+  check_aligned16(w2, op, "w2");
+  check_aligned16(out, op, "out");
+  if (M == 0) return;
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const size_t ws_bytes = flash_moe::fused_moe_bf16_workspace_bytes(M, K, I, L, (int)top_k);
+  at::Tensor ws = at::empty({(int64_t)ws_bytes}, x.options().dtype(at::kByte));
+  flash_moe::FusedMoeBf16Args a{};
+  a.x = x.data_ptr();
+  a.w = w.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.sorted_ids = sorted_token_ids.data_ptr<int32_t>();
+  a.expert_ids = expert_ids.data_ptr<int32_t>();
+  a.ntpp = num_tokens_post_padded.data_ptr<int32_t>();
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.M = M;
+  a.K = K;
+  a.I = I;
+  a.E = E;
+  a.L = L;
+  a.top_k = (int)top_k;
+  a.stages = (int)stages;
+  a.split = split;
+  a.workspace = ws.data_ptr();
+  const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
+  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+}
+
+TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
+  ops.def("moe_align(Tensor topk_ids, int num_experts, int block_m, int bpc) -> (Tensor, Tensor, Tensor)");
+  ops.impl("moe_align", torch::kCUDA, &moe_align);
+  // CPU tensors reach the same checks, so they get "<arg> must be a CUDA tensor" and never run.
+  ops.impl("moe_align", torch::kCPU, &moe_align);
+  ops.def(
+      "fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
+      "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, int block_n, "
+      "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
+  ops.impl("fused_moe_bf16", torch::kCUDA, &fused_moe_bf16);
+  ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
+}
+
+REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

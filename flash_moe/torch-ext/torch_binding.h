@@ -1,0 +1,14 @@
+#pragma once
+
+#include <tuple>
+
+#include <torch/all.h>
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts,
+                                                         int64_t block_m, int64_t bpc);
+
+void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
+                    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                    const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
+                    int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                    int64_t cpc, bool split);
