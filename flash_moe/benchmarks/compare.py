@@ -103,7 +103,7 @@ def main():
     ap.add_argument("--shapes", default="0,1,2,3,4")
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--rotate", type=int, default=3)
-    ap.add_argument("--commit", default="", help="git sha to record (default: git rev-parse HEAD)")
+    ap.add_argument("--commit", default=os.environ.get("PRIME_KERNELS_COMMIT", ""), help="git sha to record (default: git rev-parse HEAD)")
     ap.add_argument("--profile", action="store_true", help="print per-kernel device times of our op")
     args = ap.parse_args()
     out_dir = pathlib.Path(args.out)
