@@ -80,6 +80,8 @@ def test_pack_scales_blocked_offsets(reference):
             for s in range(S):
                 expect[reference.blocked_offset(r, s, S)] = sc[r, s]
         assert torch.equal(p, expect)
+        e8m0 = reference.pack_scales_blocked(sc.view(torch.float8_e8m0fnu))
+        assert e8m0.dtype == torch.float8_e8m0fnu and torch.equal(e8m0.view(torch.uint8), expect)
 
 
 def test_quantize_mxfp8_bit_patterns(reference):
@@ -90,7 +92,8 @@ def test_quantize_mxfp8_bit_patterns(reference):
     y[0, 64] = 449.0
     y[0, 96] = float("inf")
     vals, sc = reference.quantize_mxfp8(y)
-    assert sc.tolist() == [[127, 0, 128, 255]]
+    assert sc.dtype == torch.float8_e8m0fnu
+    assert sc.view(torch.uint8).tolist() == [[127, 0, 128, 255]]
     assert vals[0, 0].float().item() == 448.0
     assert vals[0, 64].float().item() == 224.0  # 449/2 -> rne to e4m3 224
     assert vals.dtype == torch.float8_e4m3fn
@@ -98,7 +101,7 @@ def test_quantize_mxfp8_bit_patterns(reference):
     z = torch.full((1, 32), 1.0)
     z[0, 0] = 1.0
     v2, s2 = reference.quantize_mxfp8(z)
-    assert s2.item() == 127 - 8  # t = 1/448: exponent -9 with mantissa -> 2^-8 -> byte 119
+    assert s2.view(torch.uint8).item() == 127 - 8  # t = 1/448: exponent -9 with mantissa -> 2^-8 -> byte 119
     assert v2.float().max().item() <= 448.0
 
 

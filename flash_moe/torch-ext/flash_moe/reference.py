@@ -168,9 +168,11 @@ def _e8m0_rceil(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
-    """MXFP8 quantization along the last dim (blocks of 32): returns (values e4m3, scales uint8 e8m0).
+    """MXFP8 quantization along the last dim (blocks of 32): returns (values e4m3, scales e8m0).
 
-    scales are row-major (R, K/32) unless blocked=True (then `pack_scales_blocked` of them).
+    scales are `torch.float8_e8m0fnu` (one biased-exponent byte each, as rmsnorm returns them;
+    `.view(torch.uint8)` gives the bytes), row-major (R, K/32) unless blocked=True (then
+    `pack_scales_blocked` of them).
     """
     K = t.shape[-1]
     if K % MXFP8_SCALE_BLOCK != 0:
@@ -178,17 +180,18 @@ def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
     y = t.float().reshape(-1, K // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK)
     amax = y.abs().amax(-1)
     byte = _e8m0_rceil(amax)
-    # y * 2^(127 - byte): exact power-of-two scaling (byte 255 -> NaN scale)
+    # y * 2^(127 - byte), literally as DESIGN §6 writes it: an exact power of two, a subnormal for
+    # bytes 254 and 255 (so a non-finite block keeps its NaNs, saturates its Infs and flushes the
+    # rest; a consumer reading byte 255 as the e8m0 NaN makes the whole block NaN anyway).
     e = 127 - byte.to(torch.int32)
     scale = torch.ldexp(torch.ones_like(amax), e.float())
-    scale = torch.where(byte == 255, torch.full_like(scale, float("nan")), scale)
     q = (y * scale[..., None]).clamp(-448.0, 448.0)
     q = torch.where(torch.isnan(y * scale[..., None]), y * scale[..., None], q)
     vals = q.to(torch.float8_e4m3fn).reshape(t.shape)
     scales = byte.reshape(*t.shape[:-1], K // MXFP8_SCALE_BLOCK)
     if blocked:
         scales = pack_scales_blocked(scales.reshape(-1, K // MXFP8_SCALE_BLOCK))
-    return vals, scales
+    return vals, scales.view(torch.float8_e8m0fnu)
 
 
 def blocked_offset(r: int, s: int, S: int) -> int:
@@ -197,7 +200,10 @@ def blocked_offset(r: int, s: int, S: int) -> int:
 
 
 def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
-    """(R, S) uint8 scales -> flat uint8 in the 128x4 blocked layout (R padded to 128, S to 4, zeros)."""
+    """(R, S) scale bytes (uint8 or float8_e8m0fnu) -> flat, same dtype, in the 128x4 blocked layout
+    (R padded to 128, S to 4, zeros)."""
+    dtype = scales.dtype
+    scales = scales.view(torch.uint8) if dtype == torch.float8_e8m0fnu else scales
     R, S = scales.shape
     Rp = (R + 127) // 128 * 128
     Sp = (S + 3) // 4 * 4
@@ -205,4 +211,4 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     p[:R, :S] = scales.to(torch.uint8)
     # (Rp/128, 4, 32, Sp/4, 4) -> (Rp/128, Sp/4, 32, 4(r%128//32), 4(s%4))
     b = p.view(Rp // 128, 4, 32, Sp // 4, 4).permute(0, 3, 2, 1, 4)
-    return b.reshape(-1).contiguous()
+    return b.reshape(-1).contiguous().view(dtype if dtype == torch.float8_e8m0fnu else torch.uint8)
