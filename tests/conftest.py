@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from toy_workspace import TOY, build_toy, make_workspace
+from toy_workspace import TOY, build_toy, gpu_capability, make_workspace
 
 @pytest.fixture(scope="session")
 def toolchain_reason():
@@ -24,3 +24,10 @@ def built_toy(tmp_path_factory, toolchain_reason) -> pathlib.Path:
     result = build_toy(root)
     assert result.returncode == 0, result.stdout + result.stderr
     return root
+
+
+@pytest.fixture
+def sm90_gpu():
+    """Skips unless an sm_90 GPU is present (the toy member is built for 9.0a only)."""
+    if gpu_capability() != (9, 0):
+        pytest.skip("the toy member is built for sm_90a; this needs an sm_90 GPU")

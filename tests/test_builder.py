@@ -160,9 +160,7 @@ def test_variant_for_another_capability_is_refused_before_import(built_for_black
 
 
 @pytest.mark.gpu
-def test_local_build_loads_and_runs_on_the_gpu(built_toy):
-    if gpu_capability() != (9, 0):
-        pytest.skip("the toy member is built for sm_90a; this needs an sm_90 GPU")
+def test_local_build_loads_and_runs_on_the_gpu(built_toy, sm90_gpu):
     code = (
         "import torch, prime_kernels\n"
         "toy = prime_kernels.load('toy')\n"
@@ -174,9 +172,7 @@ def test_local_build_loads_and_runs_on_the_gpu(built_toy):
 
 
 @pytest.mark.gpu
-def test_bad_input_raises_a_clear_error_not_a_crash(built_toy):
-    if gpu_capability() != (9, 0):
-        pytest.skip("the toy member is built for sm_90a; this needs an sm_90 GPU")
+def test_bad_input_raises_a_clear_error_not_a_crash(built_toy, sm90_gpu):
     code = (
         "import torch, prime_kernels\n"
         "toy = prime_kernels.load('toy')\n"

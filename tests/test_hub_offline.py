@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from toy_workspace import gpu_capability, make_workspace, run_python
+from toy_workspace import make_workspace, run_python
 
 
 def fill_hub_cache(cache, repo_id, version, variant_dir):
@@ -58,9 +58,7 @@ def test_offline_and_not_cached_names_the_fix(tmp_path):
 
 
 @pytest.mark.gpu
-def test_load_through_the_offline_hub_runs_on_the_gpu(offline_hub):
-    if gpu_capability() != (9, 0):
-        pytest.skip("the toy member is built for sm_90a; this needs an sm_90 GPU")
+def test_load_through_the_offline_hub_runs_on_the_gpu(offline_hub, sm90_gpu):
     workspace, _, env = offline_hub
     code = (
         "import torch, prime_kernels, prime_kernels.registry as r\n"

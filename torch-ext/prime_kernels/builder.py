@@ -233,8 +233,7 @@ def _nvidia_wheel_include_dirs() -> list[pathlib.Path]:
     if found is None or not found.submodule_search_locations:
         return []
     roots = [pathlib.Path(p) for p in found.submodule_search_locations]
-    return sorted({d for r in roots for d in r.glob("*/include") if d.is_dir()} |
-                  {d for r in roots for d in r.glob("cu*/include") if d.is_dir()})
+    return sorted({d for r in roots for d in r.glob("*/include") if d.is_dir()})
 
 
 def _write_if_changed(path: pathlib.Path, text: str) -> None:

@@ -145,6 +145,7 @@ def resolve(spec: KernelSpec, device=None) -> Resolution:
     if dev.problem is not None and not offline:
         skipped = (spec.build_dir / SKIP_MARKER).is_file()
         return answer("hub", hub_location, spec.capabilities, local_problem if skipped else None)
+    # The workspace's own repos are trusted by name, so kernels' publisher check never refuses them.
     resolver = (HubCacheResolver if offline else HubResolver)(trust_remote_code=[spec.repo_id])
     try:
         found = resolver.resolve(api=api, backend=None, kernel=dependency)
@@ -154,8 +155,6 @@ def resolve(spec: KernelSpec, device=None) -> Resolution:
                 f"HF_HUB_OFFLINE=1 and {hub_location} is not usable from the local cache ({e}); "
                 f"download it once online, or {local_problem}"
             )
-        elif "trusted publisher" in str(e):
-            problem = f"{spec.repo_id} is from an untrusted publisher: {e}"
         else:
             problem = f"{hub_location} could not be resolved on the Hub ({type(e).__name__}: {e}); or {local_problem}"
         return answer("hub", hub_location, spec.capabilities, problem)
