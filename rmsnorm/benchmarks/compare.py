@@ -6,6 +6,10 @@ forward and backward, torch.compile of the pure-PyTorch reference and Liger's fu
 larger than L2.  Writes <out>/h200.json (DESIGN §9 schema) and <out>/h200.png.
 
     PYTHONPATH=torch-ext python3 rmsnorm/benchmarks/compare.py [--out DIR]
+        [--shapes 16384x7168,65536x4096] [--ours-only]
+
+--shapes / --ours-only make a quick check of our kernels at some shapes (no torch.compile, no
+Liger); the full run (no flags) is the one RESULTS.md reports.
 """
 
 from __future__ import annotations
@@ -87,7 +91,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--shapes", default="", help="comma-separated NxC (default: the five of DESIGN §9)")
+    ap.add_argument("--ours-only", action="store_true", help="skip torch.compile and Liger")
     args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -110,11 +117,12 @@ def main():
 
     compiled_fwd = torch.compile(ref_fwd, dynamic=True)
     compiled_bwd = torch.compile(ref_bwd, dynamic=True)
-    try:
-        from liger_kernel.ops import LigerFusedAddRMSNormFunction as Liger
-    except Exception as e:  # noqa: BLE001
-        print("liger unavailable:", e)
-        Liger = None
+    Liger = None
+    if not args.ours_only:
+        try:
+            from liger_kernel.ops import LigerFusedAddRMSNormFunction as Liger
+        except Exception as e:  # noqa: BLE001
+            print("liger unavailable:", e)
 
     rows = []
 
@@ -125,7 +133,7 @@ def main():
         print(f"{op:32s} {impl:14s} {N:6d}x{C:<6d} {ms:8.4f} ms {gbps:8.1f} GB/s "
               f"{100 * gbps / copy_gbps:6.1f}% of copy", flush=True)
 
-    for N, C in SHAPES:
+    for N, C in shapes:
         S = C // 32
         sb = ((N + 127) // 128) * 128 * ((S + 3) // 4) * 4
         set_bytes = 3 * 2 * N * C
@@ -142,18 +150,19 @@ def main():
         add("fused_rmsnorm_residual_backward", "prime-kernels", N, C,
             median_ms(lambda i: k.fused_rmsnorm_residual_backward(G[i], B[i], W, RR[i]), nsets, reps=args.reps),
             bwd_bytes)
-        try:
-            # the compiled reference must agree with the kernel before it is timed
-            v0, s0, _ = compiled_fwd(B[0], R[0], W)
-            v1, s1, _ = k.fused_rmsnorm_residual(B[0], R[0], W)
-            same = torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
-            print(f"  torch.compile reference: scales identical to the kernel's: {same}")
-            add("fused_rmsnorm_residual", "torch.compile", N, C,
-                median_ms(lambda i: compiled_fwd(B[i], R[i], W), nsets, reps=args.reps), fwd_bytes)
-            add("fused_rmsnorm_residual_backward", "torch.compile", N, C,
-                median_ms(lambda i: compiled_bwd(G[i], B[i], W, RR[i]), nsets, reps=args.reps), bwd_bytes)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+        if not args.ours_only:
+            try:
+                # the compiled reference must agree with the kernel before it is timed
+                v0, s0, _ = compiled_fwd(B[0], R[0], W)
+                v1, s1, _ = k.fused_rmsnorm_residual(B[0], R[0], W)
+                same = torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
+                print(f"  torch.compile reference: scales identical to the kernel's: {same}")
+                add("fused_rmsnorm_residual", "torch.compile", N, C,
+                    median_ms(lambda i: compiled_fwd(B[i], R[i], W), nsets, reps=args.reps), fwd_bytes)
+                add("fused_rmsnorm_residual_backward", "torch.compile", N, C,
+                    median_ms(lambda i: compiled_bwd(G[i], B[i], W, RR[i]), nsets, reps=args.reps), bwd_bytes)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
         if Liger is not None:
             try:
                 # Liger: S = X + R; Y = rmsnorm(S) * W (bf16 Y and S out, no quantization)
@@ -186,7 +195,7 @@ def main():
         "rows": rows,
     }
     (out / "h200.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out / "h200.png")
+    plot(result, out / "h200.png", shapes)
     print("\nsummary (GB/s, % of copy):")
     for r in rows:
         if r["impl"] == "prime-kernels":
@@ -194,7 +203,7 @@ def main():
                   f"{100 * r['GBps'] / copy_gbps:6.1f}%")
 
 
-def plot(result, path):
+def plot(result, path, shapes=SHAPES):
     try:
         import matplotlib
 
@@ -207,7 +216,6 @@ def plot(result, path):
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
     impls = ["prime-kernels", "torch.compile", "liger"]
     for ax, op in zip(axes, ["fused_rmsnorm_residual", "fused_rmsnorm_residual_backward"]):
-        shapes = [(N, C) for N, C in SHAPES]
         for j, impl in enumerate(impls):
             ys = []
             for N, C in shapes:

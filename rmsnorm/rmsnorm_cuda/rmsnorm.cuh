@@ -38,13 +38,15 @@ struct LaunchConfig {
   int vpt = 0;  // 1, 2, 4 or 8
   int tpr = 0;  // threads per row (multiple of 32)
   int rpb = 0;  // rows per CTA
-  bool smem_acc = false;  // backward only: grad_weight partials in shared memory (large C)
+  bool smem_acc = false;  // backward only: grad_weight partials in shared memory
 };
 
 // The configuration the dispatch rule picks for a hidden size C (derived from the H200
 // measurements in RESULTS.md).  `block_threads_target` <= 0 means "use the rule".
 LaunchConfig forward_config(int64_t C, int vpt = 0, int block_threads_target = 0);
 LaunchConfig backward_config(int64_t C, int vpt = 0, int block_threads_target = 0);
+// Whether fused_rmsnorm_residual_backward accepts `cfg` for hidden size C (harness enumerations).
+bool backward_config_valid(const LaunchConfig& cfg, int64_t C);
 
 // Bytes of the flat blocked scale buffer for an (N, C) input:
 // roundup(N,128) * roundup(C/32, 4).

@@ -175,22 +175,26 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT, SACC))
   }
 }
 
-// grad_weight[c] = sum_p partials[p, c], fixed order: 8 strided slices, then slice 0..7.
-__global__ void __launch_bounds__(256)
+// grad_weight[c] = sum_p partials[p, c], fixed order: kReduceSlices strided slices
+// (p = s, s + kReduceSlices, ...), then slices 0..kReduceSlices-1.  A CTA is 32 columns x 32
+// slices (one warp per slice): C/32 CTAs of 32 warps keep enough loads in flight to read the
+// partials (up to ~17 MB, mostly still in L2) at L2 rather than latency speed.
+constexpr int kReduceSlices = 32;
+__global__ void __launch_bounds__(32 * kReduceSlices)
     rmsnorm_bwd_reduce_kernel(const float* __restrict__ partials, uint16_t* __restrict__ grad_weight,
                               int64_t P, int C) {
-  __shared__ float sm[8][33];
+  __shared__ float sm[kReduceSlices][33];
   const int c = blockIdx.x * 32 + threadIdx.x;
   float s = 0.f;
   if (c < C) {
-    for (int64_t p = threadIdx.y; p < P; p += 8) s += partials[p * C + c];
+    for (int64_t p = threadIdx.y; p < P; p += kReduceSlices) s += partials[p * C + c];
   }
   sm[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {
     float tot = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) tot += sm[i][threadIdx.x];
+    for (int i = 0; i < kReduceSlices; ++i) tot += sm[i][threadIdx.x];
     grad_weight[c] = static_cast<uint16_t>(detail::f2bf(tot));
   }
 }
@@ -244,12 +248,14 @@ int64_t num_blocks(int64_t N, int64_t C, const LaunchConfig& cfg, int device) {
 
 LaunchConfig backward_config(int64_t C, int vpt, int block_threads_target) {
   const int64_t C8 = C / 8;
+  bool rule = false;
   if (vpt <= 0) {
     // Dispatch rule (H200 measurements, RESULTS.md): one row per CTA (the persistent loop's
     // per-row barrier stalls every row slot of a CTA together), 4 chunks per thread, fewer
     // chunks per thread while that leaves fewer than 128 threads per row.
     vpt = 4;
     while (vpt > 1 && (C8 + vpt - 1) / vpt < 128) vpt /= 2;
+    rule = block_threads_target <= 0;
     if (block_threads_target <= 0) block_threads_target = 1;
   }
   if (block_threads_target <= 0) block_threads_target = 256;
@@ -260,6 +266,10 @@ LaunchConfig backward_config(int64_t C, int vpt, int block_threads_target) {
     vpt = 4;
     cfg.smem_acc = true;
   }
+  // Two rows per CTA where a row is exactly 128 threads of 4 chunks (C = 4096): measured
+  // 0.4413 vs 0.4484 ms at 65536 x 4096 (bench.cu, H200, 2026-11-29); one row elsewhere (r2
+  // lost 3-10 % at the other shapes).
+  if (rule && vpt == 4 && (C8 + 3) / 4 == 128) block_threads_target = 256;
   cfg.vpt = vpt;
   int64_t tpr = (C8 + vpt - 1) / vpt;
   tpr = (tpr + 31) / 32 * 32;
@@ -271,6 +281,8 @@ LaunchConfig backward_config(int64_t C, int vpt, int block_threads_target) {
   cfg.rpb = rpb;
   return cfg;
 }
+
+bool backward_config_valid(const LaunchConfig& cfg, int64_t C) { return valid_config(cfg, C); }
 
 int64_t backward_num_partials(int64_t N, int64_t C, int device, const LaunchConfig* cfg_in) {
   const LaunchConfig cfg = cfg_in ? *cfg_in : backward_config(C);
@@ -309,7 +321,8 @@ cudaError_t fused_rmsnorm_residual_backward(const void* grad_y, const void* bran
     if (e != cudaSuccess) return e;
   }
   const int64_t P = blocks * cfg.rpb;
-  rmsnorm_bwd_reduce_kernel<<<static_cast<unsigned>((C + 31) / 32), dim3(32, 8), 0, stream>>>(
+  rmsnorm_bwd_reduce_kernel<<<static_cast<unsigned>((C + 31) / 32), dim3(32, kReduceSlices), 0,
+                              stream>>>(
       workspace, static_cast<uint16_t*>(grad_weight), P, static_cast<int>(C));
   return cudaGetLastError();
 }

@@ -49,23 +49,36 @@ void check_same_device(const char* op, const char* name, const torch::Tensor& t,
               ref_name, " (", ref.device().str(), "), got ", t.device().str());
 }
 
+// The checks the three ops share: `x` (residual or grad_y, named x_name) and branch are (N, C)
+// bf16 CUDA tensors of one shape, weight is (C,) bf16, C a multiple of 32 up to kMaxC, all on
+// branch's device.  The dtype/rank/contiguity checks run in the op's argument order
+// (x_first: grad_y comes before branch in the backward), so each op reports the first bad
+// argument first.  Returns C.
+int64_t check_norm_inputs(const char* op, const torch::Tensor& branch, const char* x_name,
+                          const torch::Tensor& x, const torch::Tensor& weight, bool x_first) {
+  if (x_first) check_cuda_bf16(op, x_name, x, 2);
+  check_cuda_bf16(op, "branch", branch, 2);
+  if (!x_first) check_cuda_bf16(op, x_name, x, 2);
+  check_cuda_bf16(op, "weight", weight, 1);
+  const int64_t C = branch.size(1);
+  check_hidden(op, "branch", C);
+  TORCH_CHECK(x.sizes() == branch.sizes(), op, ": ", x_name, " must have the shape of branch ",
+              dims(branch.sizes()), ", got ", dims(x.sizes()));
+  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
+              num(weight.size(0)));
+  check_same_device(op, x_name, x, branch, "branch");
+  check_same_device(op, "weight", weight, branch, "branch");
+  return C;
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fused_rmsnorm_residual(
     const torch::Tensor& branch, const torch::Tensor& residual, const torch::Tensor& weight,
     double epsilon) {
   constexpr const char* op = "fused_rmsnorm_residual";
-  check_cuda_bf16(op, "branch", branch, 2);
-  check_cuda_bf16(op, "residual", residual, 2);
-  check_cuda_bf16(op, "weight", weight, 1);
-  const int64_t N = branch.size(0), C = branch.size(1);
-  check_hidden(op, "branch", C);
-  TORCH_CHECK(residual.sizes() == branch.sizes(), op, ": residual must have the shape of branch ",
-              dims(branch.sizes()), ", got ", dims(residual.sizes()));
-  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
-              num(weight.size(0)));
-  check_same_device(op, "residual", residual, branch, "branch");
-  check_same_device(op, "weight", weight, branch, "branch");
+  const int64_t C = check_norm_inputs(op, branch, "residual", residual, weight, false);
+  const int64_t N = branch.size(0);
   TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0.0, op,
               ": epsilon must be finite and >= 0, got ", std::to_string(epsilon));
 
@@ -89,23 +102,14 @@ std::tuple<torch::Tensor, torch::Tensor> fused_rmsnorm_residual_backward(
     const torch::Tensor& grad_y, const torch::Tensor& branch, const torch::Tensor& weight,
     const torch::Tensor& rrms) {
   constexpr const char* op = "fused_rmsnorm_residual_backward";
-  check_cuda_bf16(op, "grad_y", grad_y, 2);
-  check_cuda_bf16(op, "branch", branch, 2);
-  check_cuda_bf16(op, "weight", weight, 1);
-  const int64_t N = branch.size(0), C = branch.size(1);
-  check_hidden(op, "branch", C);
-  TORCH_CHECK(grad_y.sizes() == branch.sizes(), op, ": grad_y must have the shape of branch ",
-              dims(branch.sizes()), ", got ", dims(grad_y.sizes()));
-  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
-              num(weight.size(0)));
+  const int64_t C = check_norm_inputs(op, branch, "grad_y", grad_y, weight, true);
+  const int64_t N = branch.size(0);
   TORCH_CHECK(rrms.is_cuda(), op, ": rrms must be a CUDA tensor, got device ", rrms.device().str());
   TORCH_CHECK(rrms.scalar_type() == at::kFloat, op, ": rrms must be float32, got ",
               rrms.scalar_type());
   TORCH_CHECK(rrms.dim() == 1 && rrms.size(0) == N, op, ": rrms must have shape (N,) = (", num(N),
               ",), got ", dims(rrms.sizes()));
   TORCH_CHECK(rrms.is_contiguous(), op, ": rrms must be contiguous, got strides ", dims(rrms.strides()));
-  check_same_device(op, "grad_y", grad_y, branch, "branch");
-  check_same_device(op, "weight", weight, branch, "branch");
   check_same_device(op, "rrms", rrms, branch, "branch");
 
   const c10::cuda::CUDAGuard guard(branch.device());
@@ -130,15 +134,8 @@ torch::Tensor fused_rmsnorm_residual_grad_port(const torch::Tensor& branch,
                                                const torch::Tensor& weight,
                                                const torch::Tensor& rrms) {
   constexpr const char* op = "fused_rmsnorm_residual_grad_port";
-  check_cuda_bf16(op, "branch", branch, 2);
-  check_cuda_bf16(op, "residual", residual, 2);
-  check_cuda_bf16(op, "weight", weight, 1);
-  const int64_t N = branch.size(0), C = branch.size(1);
-  check_hidden(op, "branch", C);
-  TORCH_CHECK(residual.sizes() == branch.sizes(), op, ": residual must have the shape of branch ",
-              dims(branch.sizes()), ", got ", dims(residual.sizes()));
-  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
-              num(weight.size(0)));
+  const int64_t C = check_norm_inputs(op, branch, "residual", residual, weight, false);
+  const int64_t N = branch.size(0);
   TORCH_CHECK(rrms.scalar_type() == at::kFloat && rrms.dim() == 1 && rrms.size(0) == N, op,
               ": rrms must be float32 of shape (", num(N), ",), got ", rrms.scalar_type(), " ",
               dims(rrms.sizes()));
