@@ -1,13 +1,24 @@
-"""Side-by-side benchmark of fused_moe_bf16 (DESIGN §9), all in one run.
+"""Side-by-side benchmark of fused_moe_bf16 and fused_moe_mxfp8 (DESIGN §9), all in one run.
 
 Measures the ceilings (device-to-device copy, 8192^3 bf16 matmul), our op (moe_align INCLUDED
 in the prime-kernels row; the op alone is printed too), the unfused path (sort, gather, three
 torch._grouped_mm, SwiGLU, weight, index_add) and Liger's LigerFusedMoEFunction (autotune off)
 on the DESIGN §9 shapes. CUDA events, median of >= 20 timed calls after warm-up; x/routing
 rotate over several copies (the expert weights alone exceed the 50 MB L2 in every shape).
+
+MXFP8 (unless --no-mxfp8; skipped with a printed reason when the module has no
+fused_moe_mxfp8): the same shapes with x, w, w2 quantized from the bf16 originals, as
+`fused_moe_mxfp8` (moe_align included), `dequant+grouped_mm` (plain torch dequantization to bf16,
+then the unfused path) and `dequant+fused_bf16` (dequantize_mxfp8 of everything, then
+fused_moe_bf16); every dequantization is inside the timed call. Their rel_err_vs_fp32 is against
+the fp32 truth of the ORIGINAL inputs; quant_floor_rel_err is the error that quantizing alone
+costs (fp32 MoE of the dequantized inputs). Then quantize_mxfp8 alone on bf16 (N, C) inputs,
+row-major and blocked scales (GB/s counts 2 B read + 1 B + 1/32 B scale written per element).
+
 Writes <out>/h200.json (DESIGN §9 schema) and a PNG beside it.
 
 usage: python3 flash_moe/benchmarks/compare.py [--out DIR] [--iters 20] [--shapes 0,1,2,3,4] [--no-liger]
+       [--no-mxfp8]
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 MEMBER = HERE.parent
 SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (8192, 4096, 1536, 128, 8),
           (8192, 7168, 2048, 256, 8), (1024, 2048, 768, 128, 8)]
+QUANT_SHAPES = [(65536, 4096), (16384, 7168)]  # (N, C) bf16 inputs of quantize_mxfp8
 
 
 def load_kernel():
@@ -96,6 +108,208 @@ def unfused(x, wg, wu, w2t, ids, wt, E):
     return out
 
 
+def torch_dequant(q, scales):
+    """MXFP8 -> bf16 with plain torch ops (the unfused baseline's dequantization): q * 2^(byte-127).
+
+    The scale is built from its fp32 bit pattern (byte << 23); byte 0 gives 0 instead of 2^-127,
+    which only a quantizer's all-zero blocks carry, and byte 255 gives inf (so NaN products).
+    """
+    K = q.shape[-1]
+    scale = (scales.view(torch.uint8).to(torch.int32) << 23).view(torch.float32).to(torch.bfloat16)
+    return (q.to(torch.bfloat16).view(*q.shape[:-1], K // 32, 32) * scale[..., None]).view(q.shape)
+
+
+def profile_kernels(fn):
+    """Print the mean device time per kernel over 5 calls of fn(i)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            fn(i)
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            m = re.search(r"(\w+_kernel(<[^>]*>)?)", ev.name)
+            name = m.group(1) if m else ev.name[:60]
+            per[name] = per.get(name, 0.0) + ev.device_time / 5 / 1000
+    for name, t in sorted(per.items(), key=lambda kv: -kv[1]):
+        print(f"    kernel {t:8.4f} ms  {name}")
+
+
+def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
+    """fused_moe_mxfp8 and its two dequantize-first peers on one shape (inputs quantized from the bf16
+    originals `w`, `w2`, `sets`; `rel` measures against the fp32 truth of those originals)."""
+    T, K, I, E, top_k = SHAPES[si]
+    shape = {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k}
+    flops = 6 * T * top_k * K * I
+    wq, ws = kernel.quantize_mxfp8(w, blocked=True)
+    w2q, w2s = kernel.quantize_mxfp8(w2, blocked=True)
+    # row-major copies of the weight scales for the dequantize paths (the fused op reads the blocked ones)
+    ws_rm = ref.unpack_scales_blocked(ws, E * 2 * I, K // 32).view(E, 2 * I, K // 32)
+    w2s_rm = ref.unpack_scales_blocked(w2s, E * K, I // 32).view(E, K, I // 32)
+    qsets = [(kernel.quantize_mxfp8(x), ids, wt) for (x, ids, wt) in sets]
+    n_sets = len(qsets)
+
+    # what quantizing alone costs: the fp32 MoE of the dequantized inputs (exact in bf16 for a
+    # quantizer's output; torch_dequant rather than the fp32 reference to stay within memory at E=256)
+    (xq0, xs0), ids0, wt0 = qsets[0]
+    xd, wd, w2d = torch_dequant(xq0, xs0), torch_dequant(wq, ws_rm), torch_dequant(w2q, w2s_rm)
+    floor = rel(ref.moe_fp32(xd, wd, w2d, ids0, wt0))
+    del xd, wd, w2d
+    torch.cuda.empty_cache()
+
+    def row(impl, ms, err, **extra):
+        r = {"op": "fused_moe_mxfp8", "impl": impl, "shape": shape, "ms": round(ms, 4),
+             "tflops": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 6),
+             "quant_floor_rel_err": round(floor, 6)}
+        r.update(extra)
+        rows.append(r)
+        print(f"{SHAPES[si]} mxfp8 {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) rel_err {err:.2e} "
+              f"(quantization floor {floor:.2e})", flush=True)
+
+    def ours(i):
+        (xq, xs), ids, wt = qsets[i % n_sets]
+        s, e, n = kernel.moe_align(ids, E)
+        kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k)
+
+    aligned = [kernel.moe_align(ids, E) for (_, ids, _) in qsets]
+
+    def ours_op(i):
+        (xq, xs), ids, wt = qsets[i % n_sets]
+        s, e, n = aligned[i % n_sets]
+        kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k)
+
+    outs[0].fill_(float("nan"))  # poisoned: an unwritten row shows up in the error
+    ours(0)
+    err = rel(outs[0])
+    ms = time_ms(ours, args.iters)
+    ms_op = time_ms(ours_op, args.iters)
+    print(f"{SHAPES[si]} mxfp8 op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
+    if args.profile:
+        profile_kernels(ours)
+    row("prime-kernels", ms, err)
+
+    try:
+        def deq_unfused(i):
+            (xq, xs), ids, wt = qsets[i % n_sets]
+            xd, wd, w2d = torch_dequant(xq, xs), torch_dequant(wq, ws_rm), torch_dequant(w2q, w2s_rm)
+            return unfused(xd, wd[:, :I].transpose(1, 2), wd[:, I:].transpose(1, 2), w2d.transpose(1, 2), ids, wt, E)
+
+        err_u = rel(deq_unfused(0))
+        row("dequant+grouped_mm", time_ms(deq_unfused, args.iters), err_u)
+    except Exception as e:  # noqa: BLE001
+        print(f"dequant+grouped_mm failed on {SHAPES[si]}: {e}")
+    torch.cuda.empty_cache()
+
+    try:
+        def deq_fused(i):
+            (xq, xs), ids, wt = qsets[i % n_sets]
+            xd = kernel.dequantize_mxfp8(xq, xs)
+            wd = kernel.dequantize_mxfp8(wq, ws_rm)
+            w2d = kernel.dequantize_mxfp8(w2q, w2s_rm)
+            s, e, n = kernel.moe_align(ids, E)
+            kernel.fused_moe_bf16(xd, wd, w2d, s, e, n, wt, outs[i % n_sets], top_k)
+
+        outs[0].fill_(float("nan"))
+        deq_fused(0)
+        err_d = rel(outs[0])
+        row("dequant+fused_bf16", time_ms(deq_fused, args.iters), err_d,
+            note="alternative: dequantize everything, then the bf16 op")
+    except Exception as e:  # noqa: BLE001
+        print(f"dequant+fused_bf16 failed on {SHAPES[si]}: {e}")
+    del wq, w2q, ws, w2s, ws_rm, w2s_rm, qsets, aligned
+    torch.cuda.empty_cache()
+
+
+def quantize_rows(kernel, ref, args, copy, rows):
+    """quantize_mxfp8 alone on bf16 (N, C) inputs, row-major and blocked scales."""
+    for N, C in QUANT_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(N + C)
+        xs = [torch.randn(N, C, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(args.rotate)]
+        for blocked in (False, True):
+            # spot check against the reference on the first rows (a slice is its own (R, C/32) matrix)
+            v, sc = kernel.quantize_mxfp8(xs[0][:1024], blocked=blocked)
+            rv, rs = ref.quantize_mxfp8(xs[0][:1024].cpu(), blocked=blocked)
+            exact = bool(torch.equal(v.view(torch.uint8).cpu(), rv.view(torch.uint8)) and
+                         torch.equal(sc.view(torch.uint8).cpu().reshape(-1), rs.view(torch.uint8).reshape(-1)))
+            ms = time_ms(lambda i, b=blocked: kernel.quantize_mxfp8(xs[i % len(xs)], blocked=b), args.iters)
+            gbps = N * C * (2 + 1 + 1 / 32) / ms / 1e6
+            rows.append({"op": "quantize_mxfp8", "impl": "prime-kernels",
+                         "shape": {"N": N, "C": C, "blocked": blocked}, "ms": round(ms, 4), "GBps": round(gbps, 1),
+                         "pct_copy": round(100 * gbps / copy, 1), "bit_exact_vs_reference": exact})
+            print(f"quantize_mxfp8 ({N}, {C}) {'blocked' if blocked else 'row-major'} {ms:.3f} ms "
+                  f"{gbps:.0f} GB/s ({100 * gbps / copy:.0f}% of copy) bit-exact {exact}", flush=True)
+        del xs
+        torch.cuda.empty_cache()
+
+
+def _shape_text(r):
+    sh = r["shape"]
+    if r["op"] == "quantize_mxfp8":
+        return f"({sh['N']}, {sh['C']}) {'blocked' if sh['blocked'] else 'row-major'}"
+    return str(tuple(sh.values()))
+
+
+def _moe_label(r):
+    sh = r["shape"]
+    return f"{sh['tokens']},{sh['dim']},{sh['hidden']},{sh['experts']}"
+
+
+def plot(rows, copy, mm, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    moe = [r for r in rows if r["op"].startswith("fused_moe")]
+    quant = [r for r in rows if r["op"] == "quantize_mxfp8"]
+    labels = sorted({_moe_label(r) for r in moe}, key=lambda s: [int(v) for v in s.split(",")])
+    series = [(op, impl) for op, impl in [("fused_moe_bf16", "prime-kernels"), ("fused_moe_bf16", "grouped_mm"),
+                                          ("fused_moe_bf16", "liger"), ("fused_moe_mxfp8", "prime-kernels"),
+                                          ("fused_moe_mxfp8", "dequant+grouped_mm"),
+                                          ("fused_moe_mxfp8", "dequant+fused_bf16")]
+              if any(r["op"] == op and r["impl"] == impl for r in moe)]
+    if quant:
+        fig, (ax, axq) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / max(len(series), 1)
+    for j, (op, impl) in enumerate(series):
+        vals = []
+        for lab in labels:
+            v = [r["tflops"] for r in moe if r["op"] == op and r["impl"] == impl and _moe_label(r) == lab]
+            vals.append(v[0] if v else 0)
+        ax.bar([i + width * j for i in range(len(labels))], vals, width=width,
+               label=f"{'mxfp8' if op.endswith('mxfp8') else 'bf16'} {impl}", hatch="//" if "mxfp8" in op else None)
+    ax.axhline(mm, color="k", ls="--", lw=1, label=f"8192^3 bf16 matmul {mm:.0f}")
+    ax.set_ylim(0, mm * 1.35)  # room for the legend above the ceiling line
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel("TFLOP/s (6*T*k*K*I)")
+    ax.set_title(f"fused MoE forward, bf16 and MXFP8 inputs, {torch.cuda.get_device_name()}")
+    ax.legend(fontsize=7, ncol=2)
+    if quant:
+        axq.bar(range(len(quant)), [r["GBps"] for r in quant], color="tab:purple")
+        axq.axhline(copy, color="k", ls="--", lw=1, label=f"copy {copy:.0f}")
+        axq.set_xticks(range(len(quant)), [_shape_text(r).replace(") ", ")\n") for r in quant], fontsize=7)
+        axq.set_ylabel("GB/s (2 + 1 + 1/32 B per element)")
+        axq.set_title("quantize_mxfp8, bf16 input")
+        axq.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_table(rows):
+    print(f"\n{'op':16s} {'shape':30s} {'impl':19s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'rel_err':>8s} "
+          f"{'q_floor':>8s}")
+    for r in rows:
+        tf = f"{r['tflops']:8.1f}" if "tflops" in r else " " * 8
+        gb = f"{r['GBps']:6.0f}" if "GBps" in r else " " * 6
+        err = f"{r['rel_err_vs_fp32']:8.2e}" if "rel_err_vs_fp32" in r else " " * 8
+        fl = f"{r['quant_floor_rel_err']:8.2e}" if "quant_floor_rel_err" in r else " " * 8
+        print(f"{r['op']:16s} {_shape_text(r):30s} {r['impl']:19s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -105,6 +319,8 @@ def main():
     ap.add_argument("--rotate", type=int, default=3)
     ap.add_argument("--commit", default=os.environ.get("PRIME_KERNELS_COMMIT", ""), help="git sha to record (default: git rev-parse HEAD)")
     ap.add_argument("--profile", action="store_true", help="print per-kernel device times of our op")
+    ap.add_argument("--mxfp8", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the fused_moe_mxfp8 and quantize_mxfp8 rows (default: on)")
     args = ap.parse_args()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -118,10 +334,17 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"liger unavailable: {e}")
 
+    mx_skip = None
+    if not args.mxfp8:
+        mx_skip = "--no-mxfp8"
+    elif not hasattr(kernel, "fused_moe_mxfp8"):
+        mx_skip = "the loaded flash_moe has no fused_moe_mxfp8 (built before issue #5?)"
+    if mx_skip:
+        print(f"mxfp8 rows skipped: {mx_skip}")
+
     copy, mm = ceilings(args.iters)
     print(f"ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s")
     rows = []
-    table = []
     for si in [int(s) for s in args.shapes.split(",")]:
         T, K, I, E, top_k = SHAPES[si]
         shape = {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k}
@@ -169,23 +392,9 @@ def main():
         ms_op3 = time_ms(ours_op3, args.iters)
         print(f"{SHAPES[si]} op alone with stages=3: {ms_op3:.3f} ms", flush=True)
         if args.profile:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for i in range(5):
-                    ours(i)
-                torch.cuda.synchronize()
-            per = {}
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    m = re.search(r"(\w+_kernel(<[^>]*>)?)", ev.name)
-                    name = m.group(1) if m else ev.name[:60]
-                    per[name] = per.get(name, 0.0) + ev.device_time / 5 / 1000
-            for name, t in sorted(per.items(), key=lambda kv: -kv[1]):
-                print(f"    kernel {t:8.4f} ms  {name}")
+            profile_kernels(ours)
         rows.append({"op": "fused_moe_bf16", "impl": "prime-kernels", "shape": shape, "ms": round(ms, 4),
                      "tflops": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 6)})
-        table.append((shape, "prime-kernels", ms, flops / ms / 1e9, err))
         print(f"{SHAPES[si]} prime-kernels {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s; op alone {ms_op:.3f} ms "
               f"{flops / ms_op / 1e9:.0f} TFLOP/s) rel_err {err:.2e}", flush=True)
 
@@ -202,7 +411,6 @@ def main():
             ms_u = time_ms(peer, args.iters)
             rows.append({"op": "fused_moe_bf16", "impl": "grouped_mm", "shape": shape, "ms": round(ms_u, 4),
                          "tflops": round(flops / ms_u / 1e9, 1), "rel_err_vs_fp32": round(err_u, 6)})
-            table.append((shape, "grouped_mm", ms_u, flops / ms_u / 1e9, err_u))
             print(f"{SHAPES[si]} grouped_mm {ms_u:.3f} ms ({flops / ms_u / 1e9:.0f} TFLOP/s) rel_err {err_u:.2e}",
                   flush=True)
         except Exception as e:  # noqa: BLE001
@@ -219,13 +427,21 @@ def main():
                 ms_l = time_ms(lig, args.iters)
                 rows.append({"op": "fused_moe_bf16", "impl": "liger", "shape": shape, "ms": round(ms_l, 4),
                              "tflops": round(flops / ms_l / 1e9, 1), "rel_err_vs_fp32": round(err_l, 6)})
-                table.append((shape, "liger", ms_l, flops / ms_l / 1e9, err_l))
                 print(f"{SHAPES[si]} liger {ms_l:.3f} ms ({flops / ms_l / 1e9:.0f} TFLOP/s) rel_err {err_l:.2e}",
                       flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"liger failed on {SHAPES[si]}: {e}")
-        del w, w2, sets, outs, truth, aligned
+        del aligned
+        if mx_skip is None:
+            mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows)
+        del w, w2, sets, outs, truth
         torch.cuda.empty_cache()
+
+    if mx_skip is None:
+        if hasattr(getattr(kernel, "ops", None), "quantize_mxfp8"):
+            quantize_rows(kernel, ref, args, copy, rows)
+        else:
+            print("quantize_mxfp8 rows skipped: the loaded flash_moe has no native quantize_mxfp8 op")
 
     commit = args.commit
     if not commit:
@@ -241,34 +457,10 @@ def main():
               "ceilings": {"copy_GBps": round(copy, 1), "bf16_matmul_TFLOPs": round(mm, 1)}, "rows": rows}
     (out_dir / "h200.json").write_text(json.dumps(result, indent=1))
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        labels = sorted({f"{r['shape']['tokens']},{r['shape']['dim']},{r['shape']['hidden']},{r['shape']['experts']}"
-                         for r in rows}, key=lambda s: [int(v) for v in s.split(",")])
-        impls = ["prime-kernels", "grouped_mm", "liger"]
-        fig, ax = plt.subplots(figsize=(10, 4.5))
-        for j, impl in enumerate(impls):
-            vals = []
-            for lab in labels:
-                v = [r["tflops"] for r in rows if r["impl"] == impl and
-                     f"{r['shape']['tokens']},{r['shape']['dim']},{r['shape']['hidden']},{r['shape']['experts']}" == lab]
-                vals.append(v[0] if v else 0)
-            ax.bar([i + 0.27 * j for i in range(len(labels))], vals, width=0.27, label=impl)
-        ax.axhline(mm, color="k", ls="--", lw=1, label=f"8192^3 bf16 matmul {mm:.0f}")
-        ax.set_xticks([i + 0.27 for i in range(len(labels))], labels, fontsize=8)
-        ax.set_ylabel("TFLOP/s (6*T*k*K*I)")
-        ax.set_title(f"fused_moe_bf16 forward, {torch.cuda.get_device_name()}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "h200.png", dpi=110)
+        plot(rows, copy, mm, out_dir / "h200.png")
     except Exception as e:  # noqa: BLE001
         print(f"no plot: {e}")
-    print("\nshape                          impl            ms      TFLOP/s  rel_err")
-    for shape, impl, ms, tf, err in table:
-        print(f"{str(tuple(shape.values())):30s} {impl:14s} {ms:7.3f} {tf:8.1f}  {err:.2e}")
+    print_table(rows)
 
 
 if __name__ == "__main__":

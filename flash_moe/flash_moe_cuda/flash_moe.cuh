@@ -15,9 +15,14 @@ constexpr int kBlockM = 128;
 constexpr int kBlockN = 128;
 // n-extent of one wgmma (m64nNk16) issued by a consumer warpgroup.
 constexpr int kWarpN = 128;
-// Shared-memory pipeline depths the kernel is instantiated for.
+// bf16 shared-memory pipeline depths the kernels are instantiated for.
 constexpr int kStagesMin = 3;
 constexpr int kStagesMax = 4;
+// MXFP8: bf16 stages (each paired with an e4m3 ring of kFp8SlotsFor(stages) slots).
+constexpr int kMxfp8StagesMin = 2;
+constexpr int kMxfp8StagesMax = 3;
+constexpr int kMxfp8StagesDefault = 3;
+constexpr int kMxfp8ScaleBlock = 32;
 constexpr int kMaxExperts = 512;
 constexpr int kMaxTopK = 16;
 
@@ -59,5 +64,39 @@ size_t fused_moe_bf16_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L
 // Returns cudaSuccess or the first CUDA error (launch or tensor-map encoding failure ->
 // cudaErrorInvalidValue).
 cudaError_t fused_moe_bf16(const FusedMoeBf16Args& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------- fused_moe_mxfp8
+struct FusedMoeMxfp8Args {
+  const void* x;               // (M, K) e4m3
+  const uint8_t* x_scales;     // (M, K/32) e8m0 bytes, row-major
+  const void* w;               // (E, 2I, K) e4m3
+  const uint8_t* w_scales;     // blocked layout of the (E*2I, K/32) scale matrix
+  const void* w2;              // (E, K, I) e4m3
+  const uint8_t* w2_scales;    // blocked layout of the (E*K, I/32) scale matrix
+  const int32_t* sorted_ids;
+  const int32_t* expert_ids;
+  const int32_t* ntpp;
+  const float* topk_weights;
+  void* out;                   // (M, K) bf16
+  int64_t M, K, I, E, L;
+  int top_k;
+  int stages;                  // kMxfp8StagesMin..kMxfp8StagesMax
+  bool split;
+  void* workspace;             // fused_moe_mxfp8_workspace_bytes(...) bytes, 256-byte aligned
+};
+
+size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);
+cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& args, cudaStream_t stream);
+
+// ---------------------------------------------------------------- MXFP8 conversions (DESIGN §6)
+enum class FloatKind { kBf16, kFp32 };
+
+// src: (R, K) bf16 or fp32, K a multiple of 32. vals: (R, K) e4m3. scales: (R, K/32) row-major,
+// or (blocked) the blocked layout of it, padding zeroed here.
+cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales,
+                           bool blocked, cudaStream_t stream);
+// vals (R, K) e4m3, scales (R, K/32) row-major -> out (R, K) bf16; byte 255 -> NaN block.
+cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
+                             cudaStream_t stream);
 
 }  // namespace flash_moe

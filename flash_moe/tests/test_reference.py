@@ -119,6 +119,13 @@ def _init_module(reference):
     lib.define("fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
                "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, "
                "int block_n, int warp_n, int stages, int bpc, int cpc, bool split) -> ()")
+    # the MXFP8 ops, with the binding's schemas (the package registers fake kernels for them)
+    lib.define("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
+               "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
+               "Tensor(a!) out, int top_k, int block_m, int block_n, int warp_n, int stages, int bpc, int cpc, "
+               "bool split) -> ()")
+    lib.define("quantize_mxfp8(Tensor t, bool blocked) -> (Tensor, Tensor)")
+    lib.define("dequantize_mxfp8(Tensor vals, Tensor scales) -> Tensor")
     ops_mod.ops = torch.ops.flash_moe_cpu_test
     ops_mod.add_op_namespace_prefix = lambda name: f"flash_moe_cpu_test::{name}"
     ops_mod._lib = lib
@@ -142,9 +149,12 @@ def test_unsupported_shape_reason(pkg):
                         (2880, 2880)]:
         assert pkg.unsupported_shape_reason(dim, hidden) is None
         assert pkg.unsupported_shape_reason(dim, hidden, split=False) is None
+        assert pkg.unsupported_shape_reason(dim, hidden, mxfp8=True) is None  # all multiples of 32
     assert "multiple of 8" in pkg.unsupported_shape_reason(2050, 768)
     assert "hidden_dim" in pkg.unsupported_shape_reason(2048, 770)
-    assert "mxfp8" in pkg.unsupported_shape_reason(2048, 768, mxfp8=True)
+    assert "multiple of 32" in pkg.unsupported_shape_reason(2056, 768, mxfp8=True)
+    assert "hidden_dim" in pkg.unsupported_shape_reason(2048, 776, mxfp8=True)
+    assert pkg.unsupported_shape_reason(2056, 776) is None  # bf16: multiples of 8 suffice
     assert pkg.BLOCK_M == 128 and pkg.MXFP8_SCALE_BLOCK == 32
 
 
@@ -156,6 +166,21 @@ def test_fake_kernels_shapes(pkg):
         s, e, n = pkg.ops.moe_align(ids, 64, 128, 1)
         L = (800 + 64 * 127 + 127) // 128 * 128
         assert s.shape == (L,) and e.shape == (L // 128,) and n.shape == (1,)
+
+
+def test_fake_kernels_mxfp8_match_reference(pkg, reference):
+    """The MXFP8 fake kernels give the shapes and dtypes the reference returns (torch.compile relies on them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for shape in [(1, 32), (3, 5, 96), (130, 2880)]:
+        for blocked in (False, True):
+            rv, rs = reference.quantize_mxfp8(torch.randn(shape), blocked=blocked)
+            with FakeTensorMode():
+                v, sc = pkg.ops.quantize_mxfp8(torch.empty(shape, dtype=torch.bfloat16), blocked)
+                d = pkg.ops.dequantize_mxfp8(torch.empty(shape, dtype=torch.float8_e4m3fn),
+                                             torch.empty(*shape[:-1], shape[-1] // 32, dtype=torch.float8_e8m0fnu))
+            assert (v.shape, v.dtype, sc.shape, sc.dtype) == (rv.shape, rv.dtype, rs.shape, rs.dtype)
+            assert d.shape == shape and d.dtype == torch.bfloat16
 
 
 def test_build_toml_src_matches_sources():

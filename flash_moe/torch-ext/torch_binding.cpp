@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -109,18 +110,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_
   return {sorted, experts, ntpp};
 }
 
-void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
-                    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                    const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
-                    int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
-                    int64_t cpc, bool split) {
-  const char* op = "fused_moe_bf16";
-  // tuning arguments: exactly what the Hopper kernel implements
+namespace {
+
+struct MoeDims {
+  int64_t M, K, I, E, L;
+};
+
+// Rules both fused ops share: tuning arguments, devices, contiguity, routing buffers and the
+// shapes of x / w / w2 / out / topk_weights. The dtypes are each op's own.
+MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
+                         const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                         const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
+                         const at::Tensor& out, int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
+                         int64_t bpc, int64_t cpc) {
   FM_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   FM_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
   FM_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
-  FM_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
-              flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
   FM_CHECK(bpc == 1, op, ": bpc must be 1, got ", bpc);
   FM_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
   FM_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
@@ -141,9 +146,6 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   check_same_device(num_tokens_post_padded, x, op, "num_tokens_post_padded");
   check_same_device(topk_weights, x, op, "topk_weights");
   check_same_device(out, x, op, "out");
-  check_dtype(x, at::kBFloat16, op, "x");
-  check_dtype(w, at::kBFloat16, op, "w");
-  check_dtype(w2, at::kBFloat16, op, "w2");
   check_dtype(out, at::kBFloat16, op, "out");
   check_dtype(sorted_token_ids, at::kInt, op, "sorted_token_ids");
   check_dtype(expert_ids, at::kInt, op, "expert_ids");
@@ -188,31 +190,167 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   check_aligned16(w, op, "w");
   check_aligned16(w2, op, "w2");
   check_aligned16(out, op, "out");
-  if (M == 0) return;
+  return MoeDims{M, K, I, E, L};
+}
 
-  const c10::cuda::CUDAGuard guard(x.device());
-  const size_t ws_bytes = flash_moe::fused_moe_bf16_workspace_bytes(M, K, I, L, (int)top_k);
-  at::Tensor ws = at::empty({(int64_t)ws_bytes}, x.options().dtype(at::kByte));
-  flash_moe::FusedMoeBf16Args a{};
-  a.x = x.data_ptr();
-  a.w = w.data_ptr();
-  a.w2 = w2.data_ptr();
+// An MXFP8 scale tensor: float8_e8m0fnu, contiguous, on x's device, `numel` bytes.
+void check_scales(const at::Tensor& s, const at::Tensor& x, int64_t numel, const char* op, const char* name,
+                  const char* layout) {
+  check_cuda_contig(s, op, name);
+  check_same_device(s, x, op, name);
+  check_dtype(s, at::kFloat8_e8m0fnu, op, name);
+  FM_CHECK(s.numel() == numel, op, ": ", name, " must hold ", numel, " scales (", layout, "), got ", s.numel(),
+           " (shape ", s.sizes(), ")");
+}
+
+// The routing, shape and tuning fields both ops' launcher arguments share.
+template <class Args>
+void set_routing(Args& a, const MoeDims& d, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                 const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
+                 int64_t top_k, int64_t stages, bool split, at::Tensor& ws) {
   a.sorted_ids = sorted_token_ids.data_ptr<int32_t>();
   a.expert_ids = expert_ids.data_ptr<int32_t>();
   a.ntpp = num_tokens_post_padded.data_ptr<int32_t>();
   a.topk_weights = topk_weights.data_ptr<float>();
   a.out = out.data_ptr();
-  a.M = M;
-  a.K = K;
-  a.I = I;
-  a.E = E;
-  a.L = L;
+  a.M = d.M;
+  a.K = d.K;
+  a.I = d.I;
+  a.E = d.E;
+  a.L = d.L;
   a.top_k = (int)top_k;
   a.stages = (int)stages;
   a.split = split;
   a.workspace = ws.data_ptr();
+}
+
+int64_t blocked_scale_bytes(int64_t rows, int64_t cols) {
+  return (rows + 127) / 128 * 128 * ((cols + 3) / 4 * 4);
+}
+
+}  // namespace
+
+void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
+                    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                    const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
+                    int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                    int64_t cpc, bool split) {
+  const char* op = "fused_moe_bf16";
+  FM_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
+              flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
+  const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                     topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
+  check_dtype(x, at::kBFloat16, op, "x");
+  check_dtype(w, at::kBFloat16, op, "w");
+  check_dtype(w2, at::kBFloat16, op, "w2");
+  if (d.M == 0) return;
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor ws = at::empty({(int64_t)flash_moe::fused_moe_bf16_workspace_bytes(d.M, d.K, d.I, d.L, (int)top_k)},
+                            x.options().dtype(at::kByte));
+  flash_moe::FusedMoeBf16Args a{};
+  a.x = x.data_ptr();
+  a.w = w.data_ptr();
+  a.w2 = w2.data_ptr();
+  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, split,
+              ws);
   const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
   FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+}
+
+void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                     const at::Tensor& w_scales, const at::Tensor& w2, const at::Tensor& w2_scales,
+                     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                     const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
+                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                     int64_t cpc, bool split) {
+  const char* op = "fused_moe_mxfp8";
+  FM_CHECK(stages >= flash_moe::kMxfp8StagesMin && stages <= flash_moe::kMxfp8StagesMax, op,
+           ": stages must be in [", flash_moe::kMxfp8StagesMin, ", ", flash_moe::kMxfp8StagesMax, "], got ", stages);
+  const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                     topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
+  check_dtype(x, at::kFloat8_e4m3fn, op, "x");
+  check_dtype(w, at::kFloat8_e4m3fn, op, "w");
+  check_dtype(w2, at::kFloat8_e4m3fn, op, "w2");
+  const int64_t blk = flash_moe::kMxfp8ScaleBlock;
+  FM_CHECK(d.K % blk == 0, op, ": x.size(1) (K) must be a multiple of 32 (the MXFP8 scale block), got ", d.K);
+  FM_CHECK(d.I % blk == 0, op, ": I = w.size(1)/2 must be a multiple of 32 (the MXFP8 scale block), got ", d.I);
+  FM_CHECK(x_scales.dim() == 2 && x_scales.size(0) == d.M && x_scales.size(1) == d.K / blk, op,
+           ": x_scales must have shape (M, K/32) = (", d.M, ", ", d.K / blk, "), row-major, got ", x_scales.sizes());
+  check_scales(x_scales, x, d.M * (d.K / blk), op, "x_scales", "row-major (M, K/32)");
+  check_scales(w_scales, x, blocked_scale_bytes(d.E * 2 * d.I, d.K / blk), op, "w_scales",
+               "pack_scales_blocked of the (E*2I, K/32) scales");
+  check_scales(w2_scales, x, blocked_scale_bytes(d.E * d.K, d.I / blk), op, "w2_scales",
+               "pack_scales_blocked of the (E*K, I/32) scales");
+  check_aligned16(w_scales, op, "w_scales");
+  check_aligned16(w2_scales, op, "w2_scales");
+  if (d.M == 0) return;
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor ws = at::empty({(int64_t)flash_moe::fused_moe_mxfp8_workspace_bytes(d.M, d.K, d.I, d.L, (int)top_k)},
+                            x.options().dtype(at::kByte));
+  flash_moe::FusedMoeMxfp8Args a{};
+  a.x = x.data_ptr();
+  a.x_scales = static_cast<const uint8_t*>(x_scales.data_ptr());
+  a.w = w.data_ptr();
+  a.w_scales = static_cast<const uint8_t*>(w_scales.data_ptr());
+  a.w2 = w2.data_ptr();
+  a.w2_scales = static_cast<const uint8_t*>(w2_scales.data_ptr());
+  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, split,
+              ws);
+  const cudaError_t err = flash_moe::fused_moe_mxfp8(a, at::cuda::getCurrentCUDAStream());
+  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_mxfp8(const at::Tensor& t, bool blocked) {
+  const char* op = "quantize_mxfp8";
+  check_cuda_contig(t, op, "t");
+  FM_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, op,
+           ": t must have dtype BFloat16 or Float, got ", t.scalar_type());
+  FM_CHECK(t.dim() >= 1, op, ": t must have at least 1 dimension, got shape ", t.sizes());
+  const int64_t K = t.size(-1);
+  FM_CHECK(K > 0 && K % flash_moe::kMxfp8ScaleBlock == 0, op,
+           ": t.size(-1) must be a positive multiple of 32 (the MXFP8 scale block), got ", K);
+  check_aligned16(t, op, "t");
+  const int64_t R = t.numel() / K, S = K / flash_moe::kMxfp8ScaleBlock;
+  const c10::cuda::CUDAGuard guard(t.device());
+  at::Tensor vals = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
+  std::vector<int64_t> sshape(t.sizes().begin(), t.sizes().end());
+  sshape.back() = S;
+  at::Tensor scales = blocked ? at::empty({blocked_scale_bytes(R, S)}, t.options().dtype(at::kFloat8_e8m0fnu))
+                              : at::empty(sshape, t.options().dtype(at::kFloat8_e8m0fnu));
+  const cudaError_t err = flash_moe::quantize_mxfp8(
+      t.data_ptr(), t.scalar_type() == at::kBFloat16 ? flash_moe::FloatKind::kBf16 : flash_moe::FloatKind::kFp32, R,
+      K, static_cast<uint8_t*>(vals.data_ptr()), static_cast<uint8_t*>(scales.data_ptr()), blocked,
+      at::cuda::getCurrentCUDAStream());
+  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  return {vals, scales};
+}
+
+at::Tensor dequantize_mxfp8(const at::Tensor& vals, const at::Tensor& scales) {
+  const char* op = "dequantize_mxfp8";
+  check_cuda_contig(vals, op, "vals");
+  check_dtype(vals, at::kFloat8_e4m3fn, op, "vals");
+  FM_CHECK(vals.dim() >= 1, op, ": vals must have at least 1 dimension, got shape ", vals.sizes());
+  const int64_t K = vals.size(-1);
+  FM_CHECK(K > 0 && K % flash_moe::kMxfp8ScaleBlock == 0, op,
+           ": vals.size(-1) must be a positive multiple of 32 (the MXFP8 scale block), got ", K);
+  std::vector<int64_t> sshape(vals.sizes().begin(), vals.sizes().end());
+  sshape.back() = K / flash_moe::kMxfp8ScaleBlock;
+  FM_CHECK(scales.sizes().vec() == sshape, op, ": scales must have shape vals.shape[:-1] + (K/32,) = ",
+           at::IntArrayRef(sshape), " (row-major), got ", scales.sizes());
+  check_cuda_contig(scales, op, "scales");
+  check_same_device(scales, vals, op, "scales");
+  check_dtype(scales, at::kFloat8_e8m0fnu, op, "scales");
+  check_aligned16(vals, op, "vals");
+  const c10::cuda::CUDAGuard guard(vals.device());
+  at::Tensor out = at::empty(vals.sizes(), vals.options().dtype(at::kBFloat16));
+  const cudaError_t err =
+      flash_moe::dequantize_mxfp8(static_cast<const uint8_t*>(vals.data_ptr()),
+                                  static_cast<const uint8_t*>(scales.data_ptr()), vals.numel() / K, K,
+                                  out.data_ptr(), at::cuda::getCurrentCUDAStream());
+  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  return out;
 }
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
@@ -226,6 +364,16 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
   ops.impl("fused_moe_bf16", torch::kCUDA, &fused_moe_bf16);
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
+  ops.def(
+      "fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
+      "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
+      "Tensor(a!) out, int top_k, int block_m, int block_n, int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
+  ops.impl("fused_moe_mxfp8", torch::kCUDA, &fused_moe_mxfp8);
+  ops.impl("fused_moe_mxfp8", torch::kCPU, &fused_moe_mxfp8);
+  ops.def("quantize_mxfp8(Tensor t, bool blocked) -> (Tensor, Tensor)");
+  ops.impl("quantize_mxfp8", torch::kCUDA, &quantize_mxfp8);
+  ops.def("dequantize_mxfp8(Tensor vals, Tensor scales) -> Tensor");
+  ops.impl("dequantize_mxfp8", torch::kCUDA, &dequantize_mxfp8);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

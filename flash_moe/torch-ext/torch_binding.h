@@ -12,3 +12,14 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                     const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                     int64_t cpc, bool split);
+
+void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
+                     const at::Tensor& w_scales, const at::Tensor& w2, const at::Tensor& w2_scales,
+                     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                     const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
+                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
+                     int64_t cpc, bool split);
+
+std::tuple<at::Tensor, at::Tensor> quantize_mxfp8(const at::Tensor& t, bool blocked);
+
+at::Tensor dequantize_mxfp8(const at::Tensor& vals, const at::Tensor& scales);

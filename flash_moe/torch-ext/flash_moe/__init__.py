@@ -6,10 +6,14 @@ Public surface (DESIGN §5):
   num_tokens_post_padded), on the GPU, no host synchronisation.
 - ``fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
   out, top_k, ...)`` -> out (written in place).
+- ``fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+  num_tokens_post_padded, topk_weights, out, top_k, ...)`` -> out: the same MoE with MXFP8 (e4m3
+  + e8m0 per 32 elements) inputs, exact MX semantics.
+- ``quantize_mxfp8(t, blocked=False)`` / ``dequantize_mxfp8(vals, scales)`` on the GPU (DESIGN §6),
+  ``pack_scales_blocked(scales)`` (pure PyTorch, runs on the GPU too).
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights)``: align + fused op in one call.
-- ``BLOCK_M``, ``MXFP8_SCALE_BLOCK``, ``unsupported_shape_reason``, ``quantize_mxfp8`` and
-  ``pack_scales_blocked`` (pure-PyTorch for now; GPU versions come with the MXFP8 op, issue #5),
-  and ``reference`` (pure-PyTorch references of every op).
+- ``BLOCK_M``, ``MXFP8_SCALE_BLOCK``, ``unsupported_shape_reason``, and ``reference``
+  (pure-PyTorch references of every op).
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ BLOCK_M = 128
 BLOCK_N = 128  # h columns per gate/up tile (the only value the kernel implements)
 WARP_N = 128  # n of one wgmma issued by a consumer warpgroup (the only value implemented)
 STAGES = 4  # shared-memory pipeline depth (3 or 4 accepted)
+STAGES_MXFP8 = 3  # bf16 stages of the MXFP8 kernel (2 or 3; each with its own e4m3 ring)
 MXFP8_SCALE_BLOCK = 32
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
 
-quantize_mxfp8 = reference.quantize_mxfp8
 pack_scales_blocked = reference.pack_scales_blocked
 
 __all__ = [
@@ -35,9 +39,11 @@ __all__ = [
     "MXFP8_SCALE_BLOCK",
     "moe_align",
     "fused_moe_bf16",
+    "fused_moe_mxfp8",
     "moe",
     "unsupported_shape_reason",
     "quantize_mxfp8",
+    "dequantize_mxfp8",
     "pack_scales_blocked",
     "reference",
 ]
@@ -55,8 +61,10 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
         return f"dim must be a multiple of 8 (16-byte rows for TMA and the gather), got {dim}"
     if hidden_dim % 8 != 0:
         return f"hidden_dim must be a multiple of 8 (16-byte rows for TMA), got {hidden_dim}"
-    if mxfp8:
-        return "fused_moe_mxfp8 is not implemented yet (issue #5); use fused_moe_bf16"
+    if mxfp8 and dim % MXFP8_SCALE_BLOCK != 0:
+        return f"dim must be a multiple of {MXFP8_SCALE_BLOCK} (the MXFP8 scale block), got {dim}"
+    if mxfp8 and hidden_dim % MXFP8_SCALE_BLOCK != 0:
+        return f"hidden_dim must be a multiple of {MXFP8_SCALE_BLOCK} (the MXFP8 scale block), got {hidden_dim}"
     return None
 
 
@@ -132,6 +140,82 @@ def fused_moe_bf16(
     return out
 
 
+def fused_moe_mxfp8(
+    x: torch.Tensor,
+    x_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_scales: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scales: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    warp_n: int = WARP_N,
+    stages: int = STAGES_MXFP8,
+    bpc: int = 1,
+    cpc: int = 1,
+    split: bool = True,
+) -> torch.Tensor:
+    """Fused MoE forward with MXFP8 inputs, Hopper: the `fused_moe_bf16` computation on
+    x = q_x * 2^(s_x - 127), w = q_w * 2^(s_w - 127), w2 = q_w2 * 2^(s_w2 - 127).
+
+    Args:
+        x: (M, K) float8_e4m3fn; x_scales: (M, K/32) float8_e8m0fnu, row-major (one scale per
+            32 consecutive elements of a row).
+        w: (E, 2I, K) float8_e4m3fn, cat([gate, up], dim=1); w_scales: the flat blocked layout
+            of its (E*2I, K/32) scales, i.e. `quantize_mxfp8(w, blocked=True)[1]`.
+        w2: (E, K, I) float8_e4m3fn; w2_scales: blocked layout of its (E*K, I/32) scales.
+        K and I multiples of 32. Routing buffers, topk_weights, out, top_k, split: as in
+            `fused_moe_bf16`. stages: 2 or 3 bf16 stages (with 6 or 4 e4m3 slots).
+
+    Semantics (exact MX): every product (q_a 2^sa)(q_b 2^sb) is exact and sums are fp32. The
+    kernel dequantizes x and the weight tiles to bf16 in the pipeline, which is exact for every
+    scale byte in [3, 246] (bf16 has fp32's exponent range and 8 significant bits, e4m3 has 4);
+    outside that range values are rounded as bf16 would. A scale byte of 255 (the e8m0 NaN)
+    makes its block NaN, so NaN reaches exactly the rows that use it. The SwiGLU output h
+    stays bf16 (not requantized: the down GEMM runs on bf16 tensor cores either way), each
+    slot's weighted row is rounded to bf16, the top-k sum is fp32 in ascending k. Deterministic
+    and CUDA-graph capturable.
+    """
+    ops.fused_moe_mxfp8(
+        x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        topk_weights, out, int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc),
+        bool(split),
+    )
+    return out
+
+
+def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
+    """MXFP8-quantize `t` along its last dim (DESIGN §6): returns (vals, scales).
+
+    t: bf16 or fp32, last dim K a multiple of 32, contiguous. vals: float8_e4m3fn, t's shape.
+    scales: float8_e8m0fnu, shape t.shape[:-1] + (K/32,) row-major, or with blocked=True the
+    flat blocked layout of the (numel/K, K/32) scale matrix (what fused_moe_mxfp8 takes for
+    w_scales / w2_scales). RCEIL scales, saturating round-to-nearest-even values; a block
+    holding NaN/Inf gets scale byte 255. Runs on the GPU for CUDA tensors (bit-exact to
+    `reference.quantize_mxfp8`), on the reference otherwise.
+    """
+    if t.device.type != "cuda":
+        return reference.quantize_mxfp8(t, blocked=blocked)
+    return ops.quantize_mxfp8(t, bool(blocked))
+
+
+def dequantize_mxfp8(vals: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+    """vals (..., K) float8_e4m3fn, scales (..., K/32) float8_e8m0fnu row-major -> q * 2^(s - 127).
+
+    Scale byte 255 makes its block NaN. bf16 output on the GPU (exact for scale bytes 3..246);
+    any other dtype or device goes through the reference (exact in fp32).
+    """
+    if vals.device.type == "cuda" and dtype == torch.bfloat16:
+        return ops.dequantize_mxfp8(vals, scales)
+    return reference.dequantize_mxfp8(vals, scales, dtype=dtype)
+
+
 def moe(x, w1, w2, w3, topk_ids, topk_weights, out=None, split=True):
     """One-line routed-expert MoE forward: align, then fused_moe_bf16.
 
@@ -170,3 +254,28 @@ def _moe_align_fake(topk_ids, num_experts, block_m, bpc):
 def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
                          top_k, block_m, block_n, warp_n, stages, bpc, cpc, split):
     return None
+
+
+@torch.library.register_fake(add_op_namespace_prefix("fused_moe_mxfp8"))
+def _fused_moe_mxfp8_fake(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
+                          num_tokens_post_padded, topk_weights, out, top_k, block_m, block_n, warp_n, stages, bpc,
+                          cpc, split):
+    return None
+
+
+@torch.library.register_fake(add_op_namespace_prefix("quantize_mxfp8"))
+def _quantize_mxfp8_fake(t, blocked):
+    K = t.shape[-1]
+    S = K // MXFP8_SCALE_BLOCK
+    vals = t.new_empty(t.shape, dtype=torch.float8_e4m3fn)
+    if blocked:
+        R = t.numel() // K
+        scales = t.new_empty(((R + 127) // 128 * 128 * ((S + 3) // 4 * 4),), dtype=torch.float8_e8m0fnu)
+    else:
+        scales = t.new_empty((*t.shape[:-1], S), dtype=torch.float8_e8m0fnu)
+    return vals, scales
+
+
+@torch.library.register_fake(add_op_namespace_prefix("dequantize_mxfp8"))
+def _dequantize_mxfp8_fake(vals, scales):
+    return vals.new_empty(vals.shape, dtype=torch.bfloat16)

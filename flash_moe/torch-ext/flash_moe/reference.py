@@ -10,9 +10,13 @@ The references define the semantics the CUDA kernels are held to:
   another rank) are dropped.
 - `fused_moe_bf16`: fp32 accumulation, the SwiGLU output rounded to bf16 between the GEMMs
   (as the kernel does), per-slot results rounded to bf16, top-k sum in fp32 in ascending k.
+- `fused_moe_mxfp8`: the same computation (one shared implementation, `_fused_moe_blocks`) on
+  the exactly dequantized MXFP8 inputs `q * 2^(byte-127)` (fp32); h is rounded to bf16, not
+  requantized. A scale byte of 255 (e8m0 NaN) makes its whole block NaN.
 - `moe_fp32`: the exact definition in fp32 (truth for accuracy tests).
 - `quantize_mxfp8`, `pack_scales_blocked`: DESIGN §6 (RCEIL scales, e4m3 satfinite RNE,
-  blocked 128x4 scale layout).
+  blocked 128x4 scale layout); `dequantize_mxfp8` and `unpack_scales_blocked` invert them
+  (row-major scales).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def moe_fp32(x, w, w2, topk_ids, topk_weights, dtype=torch.float32):
     M, K = x.shape
     E, N, _ = w.shape
     I = N // 2
-    xf, wf, w2f = x.to(dtype), w.to(dtype), w2.to(dtype)
+    xf = x.to(dtype)
     out = torch.zeros(M, K, dtype=dtype, device=x.device)
     ids = topk_ids.to(torch.int64)
     for e in range(E):
@@ -73,9 +77,50 @@ def moe_fp32(x, w, w2, topk_ids, topk_weights, dtype=torch.float32):
         if t.numel() == 0:
             continue
         xe = xf[t]
-        h = _silu_mul(xe @ wf[e, :I].T, xe @ wf[e, I:].T)
-        y = (h @ w2f[e].T) * topk_weights[t, k].to(dtype)[:, None]
+        we, w2e = w[e].to(dtype), w2[e].to(dtype)  # one expert at a time: all of w in fp32 can be tens of GB
+        h = _silu_mul(xe @ we[:I].T, xe @ we[I:].T)
+        y = (h @ w2e.T) * topk_weights[t, k].to(dtype)[:, None]
         out.index_add_(0, t, y)
+    return out
+
+
+def _fused_moe_blocks(xf, expert_weights, num_experts, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                      topk_weights, out, top_k, block_m, split):
+    """The fused op's computation on fp32 inputs, walking moe_align's blocks like the kernel.
+
+    xf: (M, K) fp32 tokens. expert_weights(e) -> (w_e (2I, K), w2_e (K, I)) fp32, fetched per
+    expert so a caller can dequantize one expert at a time. Accumulation is fp32, h and each
+    weighted slot row are rounded to bf16, the top-k sum is fp32 in ascending k. Block entries
+    outside [0, E) and sorted ids outside [0, M*top_k) are skipped, as the kernel skips them.
+    """
+    M, K = xf.shape
+    E = num_experts
+    n_slots = M * top_k
+    ntpp = int(num_tokens_post_padded.reshape(-1)[0])
+    ntpp = max(0, min(ntpp, sorted_token_ids.numel()))
+    sid = sorted_token_ids[:ntpp].to(torch.int64).cpu()
+    eid = expert_ids.to(torch.int64).cpu()
+    acc = torch.zeros(n_slots, K, dtype=torch.float32, device=xf.device)
+    wts = topk_weights.reshape(-1).float()
+    for b in range(min(ntpp // block_m, eid.numel())):
+        e = int(eid[b])
+        if e < 0 or e >= E:
+            continue
+        rows = sid[b * block_m:(b + 1) * block_m]
+        rows = rows[(rows >= 0) & (rows < n_slots)]
+        if rows.numel() == 0:
+            continue
+        rows_d = rows.to(xf.device)
+        xe = xf[rows_d // top_k]
+        we, w2e = expert_weights(e)
+        I = we.shape[0] // 2
+        h = _silu_mul(xe @ we[:I].T, xe @ we[I:].T).to(torch.bfloat16).float()
+        y = (h @ w2e.T) * wts[rows_d][:, None]
+        acc[rows_d] = y.to(torch.bfloat16).float()
+    res = acc.view(M, top_k, K).sum(1)
+    if not split:
+        res = res + out.float()
+    out.copy_(res.to(out.dtype))
     return out
 
 
@@ -85,35 +130,38 @@ def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padde
 
     Writes `out` in place and returns it: split=True overwrites out, split=False adds into it.
     """
+    return _fused_moe_blocks(x.float(), lambda e: (w[e].float(), w2[e].float()), w.shape[0], sorted_token_ids,
+                             expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m, split)
+
+
+def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                    topk_weights, out, top_k, block_m: int = BLOCK_M, block_n: int = 128, warp_n: int = 128,
+                    stages: int = 3, bpc: int = 1, cpc: int = 1, split: bool = True):
+    """Reference of `flash_moe.fused_moe_mxfp8`: `fused_moe_bf16`'s computation on the exactly
+    dequantized MXFP8 inputs.
+
+    x (M, K) e4m3 with x_scales (M, K/32) e8m0 row-major; w (E, 2I, K) e4m3 with w_scales the flat
+    blocked layout of its (E*2I, K/32) scales; w2 (E, K, I) e4m3 with w2_scales the flat blocked
+    layout of its (E*K, I/32) scales (what `quantize_mxfp8(..., blocked=True)` returns). Scales may
+    be float8_e8m0fnu or uint8 bytes. block_n, warp_n, stages, bpc, cpc are the kernel's tuning
+    arguments; they do not change the result and are ignored here.
+    """
     M, K = x.shape
     E, N, _ = w.shape
     I = N // 2
-    n_slots = M * top_k
-    ntpp = int(num_tokens_post_padded.reshape(-1)[0])
-    sid = sorted_token_ids[:ntpp].to(torch.int64).cpu()
-    eid = expert_ids.to(torch.int64).cpu()
-    acc = torch.zeros(n_slots, K, dtype=torch.float32, device=x.device)
-    xf = x.float()
-    wts = topk_weights.reshape(-1).float()
-    for b in range(ntpp // block_m):
-        e = int(eid[b])
-        if e < 0 or e >= E:
-            continue
-        rows = sid[b * block_m:(b + 1) * block_m]
-        rows = rows[(rows >= 0) & (rows < n_slots)]
-        if rows.numel() == 0:
-            continue
-        rows_d = rows.to(x.device)
-        xe = xf[rows_d // top_k]
-        we = w[e].float()
-        h = _silu_mul(xe @ we[:I].T, xe @ we[I:].T).to(torch.bfloat16).float()
-        y = (h @ w2[e].float().T) * wts[rows_d][:, None]
-        acc[rows_d] = y.to(torch.bfloat16).float()
-    res = acc.view(M, top_k, K).sum(1)
-    if not split:
-        res = res + out.float()
-    out.copy_(res.to(out.dtype))
-    return out
+    if K % MXFP8_SCALE_BLOCK or I % MXFP8_SCALE_BLOCK:
+        raise ValueError(f"fused_moe_mxfp8: K and I must be multiples of 32, got K={K}, I={I}")
+    if tuple(x_scales.shape) != (M, K // MXFP8_SCALE_BLOCK):
+        raise ValueError(f"fused_moe_mxfp8: x_scales must have shape ({M}, {K // 32}), got {tuple(x_scales.shape)}")
+    ws = unpack_scales_blocked(w_scales, E * N, K // MXFP8_SCALE_BLOCK).view(E, N, K // MXFP8_SCALE_BLOCK)
+    w2s = unpack_scales_blocked(w2_scales, E * K, I // MXFP8_SCALE_BLOCK).view(E, K, I // MXFP8_SCALE_BLOCK)
+    xf = dequantize_mxfp8(x, x_scales)
+
+    def expert_weights(e):  # one expert at a time: the whole fp32 weight set can be tens of GB
+        return dequantize_mxfp8(w[e], ws[e]), dequantize_mxfp8(w2[e], w2s[e])
+
+    return _fused_moe_blocks(xf, expert_weights, E, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                             topk_weights, out, top_k, block_m, split)
 
 
 def grouped_mm_path(x, w, w2, topk_ids, topk_weights):
@@ -212,3 +260,48 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     # (Rp/128, 4, 32, Sp/4, 4) -> (Rp/128, Sp/4, 32, 4(r%128//32), 4(s%4))
     b = p.view(Rp // 128, 4, 32, Sp // 4, 4).permute(0, 3, 2, 1, 4)
     return b.reshape(-1).contiguous().view(dtype if dtype == torch.float8_e8m0fnu else torch.uint8)
+
+
+def unpack_scales_blocked(flat: torch.Tensor, R: int, S: int) -> torch.Tensor:
+    """Inverse of `pack_scales_blocked`: the flat blocked layout -> the (R, S) row-major matrix,
+    same dtype (uint8 or float8_e8m0fnu). The padding bytes are dropped."""
+    dtype = flat.dtype
+    b = flat.view(torch.uint8) if dtype == torch.float8_e8m0fnu else flat
+    Rp = (R + 127) // 128 * 128
+    Sp = (S + 3) // 4 * 4
+    if b.numel() != Rp * Sp:
+        raise ValueError(f"unpack_scales_blocked: a ({R}, {S}) scale matrix packs to {Rp * Sp} bytes, "
+                         f"got {b.numel()}")
+    # The permutation swaps dims 1 and 3 of (Rp/128, 4, 32, Sp/4, 4): it is its own inverse.
+    p = b.reshape(Rp // 128, Sp // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(Rp, Sp)
+    return p[:R, :S].contiguous().view(dtype)
+
+
+def _e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes (uint8 or float8_e8m0fnu) -> fp32 2^(byte-127), exactly; byte 255 -> NaN.
+
+    Built from the fp32 bit pattern rather than pow() so no libm rounding is involved; byte 0 is
+    the subnormal 2^-127.
+    """
+    byte = (scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales).to(torch.int32)
+    bits = torch.where(byte == 0, torch.full_like(byte, 1 << 22), byte << 23)
+    bits = torch.where(byte == 255, torch.full_like(byte, 0x7FC00000), bits)
+    return bits.view(torch.float32)
+
+
+def dequantize_mxfp8(vals: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP8 -> `dtype`: vals (..., K) e4m3, scales (..., K/32) row-major e8m0 (or uint8 bytes).
+
+    Returns q * 2^(byte-127), computed in fp32 and rounded once to `dtype`. The fp32 product is
+    exact for every byte 0..254 (the smallest, 2^-9 * 2^-127, is a subnormal above 2^-149) unless
+    it exceeds the fp32 range (large bytes: then +-inf). A block whose byte is 255 is all NaN.
+    """
+    K = vals.shape[-1]
+    if K % MXFP8_SCALE_BLOCK != 0:
+        raise ValueError(f"dequantize_mxfp8: last dim must be a multiple of 32, got {K}")
+    if tuple(scales.shape) != (*vals.shape[:-1], K // MXFP8_SCALE_BLOCK):
+        raise ValueError(f"dequantize_mxfp8: scales must have shape {(*vals.shape[:-1], K // 32)}, "
+                         f"got {tuple(scales.shape)}")
+    q = vals.float().reshape(*vals.shape[:-1], K // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK)
+    y = q * _e8m0_to_float(scales)[..., None]
+    return y.reshape(vals.shape).to(dtype)

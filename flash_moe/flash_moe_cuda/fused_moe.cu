@@ -1,0 +1,303 @@
+// Host side of fused_moe_bf16 and fused_moe_mxfp8 (Hopper, sm_90a): tensor maps, workspace,
+// and the launch sequence shared by both ops:
+//
+//   [mxfp8 only] x -> bf16 (dequantize_mxfp8; the gather then reads bf16 rows)
+//   GEMM1 gate/up  h[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      bf16 h
+//   GEMM2 down     Y[p] = topk_weight[slot(p)] * (h[p] @ W2[e]^T)                 bf16 Y
+//   inverse        pos[slot] = p   (slot -> sorted position)
+//   reduce         out[t] (+)= sum_{k ascending} Y[pos(t*top_k + k)]   in fp32
+//
+// The GEMM kernel (moe_gemm.cuh) reads B as bf16 by TMA, or as e4m3 + blocked scales that the
+// producer dequantizes to bf16 in shared memory. No float atomics anywhere: bit-identical
+// output run after run.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "flash_moe.cuh"
+#include "moe_gemm.cuh"
+
+namespace flash_moe {
+namespace {
+
+using gemm::BSource;
+using gemm::GemmParams;
+using gemm::Kind;
+
+// ---------------------------------------------------------------- top-k sum
+// inv[slot] = position of slot in sorted_ids (only for valid slots in valid blocks).
+__global__ void inverse_kernel(const int32_t* __restrict__ sorted_ids, const int32_t* __restrict__ expert_ids,
+                               const int32_t* __restrict__ ntpp_ptr, int L, int n_slots, int E,
+                               int32_t* __restrict__ inv) {
+  int ntpp = *ntpp_ptr;
+  ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
+  for (int pos = blockIdx.x * blockDim.x + threadIdx.x; pos < ntpp; pos += gridDim.x * blockDim.x) {
+    const int sid = sorted_ids[pos];
+    const int e = expert_ids[pos / kBlockM];
+    if (sid >= 0 && sid < n_slots && e >= 0 && e < E) inv[sid] = pos;
+  }
+}
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(b[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
+
+// out[t, :] (+)= sum_k Y[inv[t*top_k+k], :], fp32, k ascending. 8 columns per thread.
+__global__ void reduce_kernel(const __nv_bfloat16* __restrict__ Y, const int32_t* __restrict__ inv,
+                              __nv_bfloat16* __restrict__ out, int64_t M, int K, int top_k, bool accumulate) {
+  const int cpr = K / 8;
+  const int64_t total = M * cpr;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t t = i / cpr;
+    const int c = (int)(i - t * cpr) * 8;
+    float acc[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+    for (int k = 0; k < top_k; ++k) {
+      const int pos = inv[t * top_k + k];
+      if (pos >= 0) add_bf16x8(acc, *reinterpret_cast<const uint4*>(Y + (int64_t)pos * K + c));
+    }
+    __nv_bfloat16* o = out + t * K + c;
+    if (accumulate) add_bf16x8(acc, *reinterpret_cast<const uint4*>(o));
+    uint4 r;
+    __nv_bfloat162* rb = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) rb[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    *reinterpret_cast<uint4*>(o) = r;
+  }
+}
+
+int num_sms() {
+  static int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v > 0 ? v : 132;
+  }();
+  return n;
+}
+
+// ---------------------------------------------------------------- tensor maps
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn get_encode_fn() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return (EncodeTiledFn) nullptr;
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// A K-major operand: innermost dim first; box {64 elements, 128 rows, 1...}; out-of-bounds
+// elements read as zeros. bf16 boxes (128-byte rows) use the 128-byte swizzle wgmma reads;
+// e4m3 boxes (64-byte rows) the 64-byte swizzle, so the dequantizing threads read them
+// without bank conflicts.
+struct Operand {
+  const void* ptr;
+  int rank;
+  uint64_t dims[3];
+  uint64_t row_bytes[2];  // strides of dims 1.. in bytes
+};
+
+bool make_tmap(CUtensorMap* tm, const Operand& o, bool e4m3) {
+  EncodeTiledFn fn = get_encode_fn();
+  if (!fn) return false;
+  cuuint64_t gdim[3], gstride[2];
+  cuuint32_t box[3], estr[3];
+  for (int i = 0; i < o.rank; ++i) {
+    gdim[i] = o.dims[i];
+    box[i] = i == 0 ? gemm::kBK : (i == 1 ? 128 : 1);
+    estr[i] = 1;
+  }
+  for (int i = 0; i < o.rank - 1; ++i) gstride[i] = o.row_bytes[i];
+  return fn(tm, e4m3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, o.rank,
+            const_cast<void*>(o.ptr), gdim, gstride, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            e4m3 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// w (E, 2I, K), w2 (E, K, I), h (L, I): element size 2 (bf16) or 1 (e4m3).
+Operand gate_up_weights(const void* w, int64_t E, int64_t K, int64_t I, int elem) {
+  return Operand{w, 3, {(uint64_t)K, (uint64_t)(2 * I), (uint64_t)E}, {(uint64_t)(K * elem), (uint64_t)(2 * I * K * elem)}};
+}
+Operand down_weights(const void* w2, int64_t E, int64_t K, int64_t I, int elem) {
+  return Operand{w2, 3, {(uint64_t)I, (uint64_t)K, (uint64_t)E}, {(uint64_t)(I * elem), (uint64_t)(K * I * elem)}};
+}
+Operand h_rows(const void* h, int64_t L, int64_t I) {
+  return Operand{h, 2, {(uint64_t)I, (uint64_t)L, 1}, {(uint64_t)(I * 2), 0}};
+}
+
+// ---------------------------------------------------------------- launches
+template <Kind kKind, BSource kB, int kStages, int kFp8Slots>
+cudaError_t launch_gemm(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, cudaStream_t stream) {
+  const int smem = gemm::SmemPlan<kStages, kFp8Slots>::kLaunchBytes;
+  auto kern = gemm::moe_gemm_kernel<kKind, kB, kStages, kFp8Slots>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
+  if (max_tiles == 0) return cudaSuccess;
+  const int grid = (int)(max_tiles < num_sms() ? max_tiles : num_sms());
+  kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, p);
+  return cudaGetLastError();
+}
+
+// Both GEMMs of one op at one pipeline depth.
+template <BSource kB, int kStages, int kFp8Slots>
+cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
+                         const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+  cudaError_t err = launch_gemm<Kind::kGateUp, kB, kStages, kFp8Slots>(tm_w, tm_w, p1, stream);
+  if (err != cudaSuccess) return err;
+  return launch_gemm<Kind::kDown, kB, kStages, kFp8Slots>(tm_h, tm_w2, p2, stream);
+}
+
+size_t align256(size_t v) { return (v + 255) / 256 * 256; }
+
+// Workspace: [x as bf16 (mxfp8 only)] h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32.
+struct Workspace {
+  __nv_bfloat16* x_bf16;
+  __nv_bfloat16* h;
+  __nv_bfloat16* Y;
+  int32_t* inv;
+  static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x) {
+    return (with_x ? align256((size_t)M * K * 2) : 0) + align256((size_t)L * I * 2) + align256((size_t)L * K * 2) +
+           align256((size_t)M * top_k * 4);
+  }
+  Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, bool with_x) {
+    uint8_t* p = static_cast<uint8_t*>(base);
+    x_bf16 = with_x ? reinterpret_cast<__nv_bfloat16*>(p) : nullptr;
+    p += with_x ? align256((size_t)M * K * 2) : 0;
+    h = reinterpret_cast<__nv_bfloat16*>(p);
+    p += align256((size_t)L * I * 2);
+    Y = reinterpret_cast<__nv_bfloat16*>(p);
+    p += align256((size_t)L * K * 2);
+    inv = reinterpret_cast<int32_t*>(p);
+  }
+};
+
+// The routing/shape fields both GEMMs share; p2 is derived for the down GEMM.
+void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp,
+                 const float* topk_weights, const Workspace& ws, int64_t M, int64_t K, int64_t I, int64_t E,
+                 int64_t L, int top_k, GemmParams& p1, GemmParams& p2) {
+  p1 = GemmParams{};
+  p1.x = x;
+  p1.sorted_ids = sorted_ids;
+  p1.expert_ids = expert_ids;
+  p1.ntpp = ntpp;
+  p1.topk_weights = topk_weights;
+  p1.out = ws.h;
+  p1.lda = K;
+  p1.ldo = I;
+  p1.L = (int)L;
+  p1.n_slots = (int)(M * top_k);
+  p1.top_k = top_k;
+  p1.E = (int)E;
+  p1.K = (int)K;
+  p1.n_out = (int)I;
+  p1.num_n = (int)((I + 127) / 128);
+  p1.b_second = (int)I;  // up rows follow the I gate rows
+  p1.b_rows = (int)(2 * I);
+  p2 = p1;
+  p2.out = ws.Y;
+  p2.ldo = K;
+  p2.K = (int)I;
+  p2.n_out = (int)K;
+  p2.num_n = (int)((K + 255) / 256);
+  p2.b_second = 128;  // the two 128-row halves of a 256-column tile
+  p2.b_rows = (int)K;
+}
+
+cudaError_t topk_sum(const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws,
+                     void* out, int64_t M, int64_t K, int64_t E, int64_t L, int top_k, bool split, cudaStream_t stream) {
+  const int n_slots = (int)(M * top_k);
+  if (L > 0) {
+    const int ib = 256;
+    int ig = (int)((L + ib - 1) / ib);
+    if (ig > 4 * num_sms()) ig = 4 * num_sms();
+    inverse_kernel<<<ig, ib, 0, stream>>>(sorted_ids, expert_ids, ntpp, (int)L, n_slots, (int)E, ws.inv);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t work = M * (K / 8);
+  const int rb = 256;
+  int64_t rg = (work + rb - 1) / rb;
+  if (rg > 16 * num_sms()) rg = 16 * num_sms();
+  reduce_kernel<<<(int)rg, rb, 0, stream>>>(ws.Y, ws.inv, static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t fused_moe_bf16_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
+  return Workspace::bytes(M, K, I, L, top_k, false);
+}
+
+size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
+  return Workspace::bytes(M, K, I, L, top_k, true);
+}
+
+cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
+  if (a.stages != 3 && a.stages != 4) return cudaErrorInvalidValue;
+  if (a.M == 0) return cudaSuccess;
+  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, false);
+  cudaError_t err = cudaMemsetAsync(ws.inv, 0xFF, (size_t)a.M * a.top_k * 4, stream);
+  if (err != cudaSuccess) return err;
+  if (a.L > 0) {
+    CUtensorMap tm_w, tm_h, tm_w2;
+    if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
+        !make_tmap(&tm_h, h_rows(ws.h, a.L, a.I), false) ||
+        !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 2), false))
+      return cudaErrorInvalidValue;
+    GemmParams p1, p2;
+    make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
+                a.K, a.I, a.E, a.L, a.top_k, p1, p2);
+    err = a.stages == 4 ? launch_gemms<BSource::kBf16, 4, 0>(tm_w, tm_h, tm_w2, p1, p2, stream)
+                        : launch_gemms<BSource::kBf16, 3, 0>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);
+}
+
+cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
+  if (a.stages < kMxfp8StagesMin || a.stages > kMxfp8StagesMax) return cudaErrorInvalidValue;
+  if (a.M == 0) return cudaSuccess;
+  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, true);
+  cudaError_t err = cudaMemsetAsync(ws.inv, 0xFF, (size_t)a.M * a.top_k * 4, stream);
+  if (err != cudaSuccess) return err;
+  if (a.L > 0) {
+    // x is read top_k times by the gather: dequantize it once (M*K*3 bytes, ~1% of the op).
+    err = dequantize_mxfp8(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream);
+    if (err != cudaSuccess) return err;
+    CUtensorMap tm_w, tm_h, tm_w2;
+    if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
+        !make_tmap(&tm_h, h_rows(ws.h, a.L, a.I), false) ||
+        !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 1), true))
+      return cudaErrorInvalidValue;
+    GemmParams p1, p2;
+    make_params(ws.x_bf16, a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M, a.K, a.I, a.E, a.L,
+                a.top_k, p1, p2);
+    p1.b_scales = a.w_scales;
+    p1.scale_col_groups = (int)((a.K / kMxfp8ScaleBlock + 3) / 4);
+    p1.scale_row_groups = (int)((a.E * 2 * a.I + 127) / 128);
+    p2.b_scales = a.w2_scales;
+    p2.scale_col_groups = (int)((a.I / kMxfp8ScaleBlock + 3) / 4);
+    p2.scale_row_groups = (int)((a.E * a.K + 127) / 128);
+    err = a.stages == 3 ? launch_gemms<BSource::kMxfp8, 3, 4>(tm_w, tm_h, tm_w2, p1, p2, stream)
+                        : launch_gemms<BSource::kMxfp8, 2, 6>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);
+}
+
+}  // namespace flash_moe

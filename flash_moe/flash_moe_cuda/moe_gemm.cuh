@@ -1,0 +1,496 @@
+// The grouped GEMM both fused MoE ops run twice per call (Hopper, sm_90a), split by role:
+//
+//   TileScheduler / KIter  which (m-block, n-block) tiles and k-blocks a CTA owns
+//   producers              A: gathered token rows (cp.async) or h rows (TMA);
+//                          B: bf16 weight boxes (TMA), or e4m3 weight boxes + their blocked
+//                          scales (TMA + bulk copy) dequantized to bf16 in shared memory
+//   consumer mainloop      two warpgroups, m64n128k16 bf16 wgmma, fp32 accumulators
+//   epilogues              SwiGLU (gate/up GEMM) or router weight (down GEMM), bf16 stores
+//
+// Tiles are 128 x 256 x 64: the gate/up GEMM computes 128 gate + 128 up columns (-> 128 h
+// columns), the down GEMM 256 output columns. One producer warpgroup and two consumer
+// warpgroups (64 rows each) share a kStages-deep ring of bf16 stages guarded by mbarriers;
+// the MXFP8 variant adds a kFp8Slots-deep ring of e4m3 boxes the producer fetches ahead.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include "flash_moe.cuh"
+#include "mxfp8.cuh"
+#include "sm90.cuh"
+
+namespace flash_moe {
+namespace gemm {
+
+using namespace sm90;
+
+constexpr int kBM = kBlockM;  // 128 rows (slots) per tile
+constexpr int kBK = 64;       // 64 bf16 = 128 bytes: one swizzle-128B row
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+
+enum class Kind { kGateUp, kDown };
+enum class BSource { kBf16, kMxfp8 };
+
+template <int kStages, int kFp8Slots>
+struct SmemPlan {
+  static constexpr int kABytes = kBM * kBK * 2;     // 16 KB bf16 A tile
+  static constexpr int kBBoxBytes = 128 * kBK * 2;  // 16 KB: one 128-row bf16 B box
+  static constexpr int kStageBytes = kABytes + 2 * kBBoxBytes;
+  static constexpr int kFp8BoxBytes = 128 * kBK;    // 8 KB: one 128-row e4m3 box, 64-byte rows
+  static constexpr int kScaleChunk = 512;           // 128 rows x 4 scales of the blocked layout
+  // Per box: the scale chunks of the (at most two) 128-row groups the box overlaps.
+  static constexpr int kScaleBytes = 2 * 2 * kScaleChunk;
+  static constexpr int kFp8SlotBytes = 2 * kFp8BoxBytes + kScaleBytes;  // 18 KB
+  static constexpr int kFp8Offset = kStages * kStageBytes;
+  static constexpr int kBarOffset = kFp8Offset + kFp8Slots * kFp8SlotBytes;
+  static constexpr int kBytes = kBarOffset + (2 * kStages + kFp8Slots) * 8;
+  static constexpr int kLaunchBytes = kBytes + 1024;  // slack for the 1024-byte alignment
+  static_assert(kFp8SlotBytes % 1024 == 0, "e4m3 slots must keep the 512-byte swizzle alignment");
+};
+
+struct GemmParams {
+  const __nv_bfloat16* x;        // kGateUp: the gathered A source (M, K) bf16
+  const int32_t* sorted_ids;
+  const int32_t* expert_ids;
+  const int32_t* ntpp;
+  const float* topk_weights;     // kDown
+  __nv_bfloat16* out;            // kGateUp: h (L, I); kDown: Y (L, Kd)
+  int64_t lda;                   // kGateUp: row stride of x (= K)
+  int64_t ldo;                   // row stride of out
+  int L;                         // sorted_ids length
+  int n_slots;                   // M * top_k (the padding sentinel)
+  int top_k;
+  int E;
+  int K;                         // reduction length
+  int n_out;                     // valid output columns
+  int num_n;                     // n-blocks per m-block
+  int b_second;                  // row offset of the second B box from the first
+  // kMxfp8 only: B scales in the blocked layout of the (E * b_rows, K/32) scale matrix.
+  const uint8_t* b_scales;
+  int b_rows;                    // rows of B per expert (2I for gate/up, Kd for down)
+  int scale_col_groups;          // ceil((K/32) / 4): 512-byte chunks per 128-row group
+  int scale_row_groups;          // ceil(E * b_rows / 128)
+};
+
+// ---------------------------------------------------------------- scheduler
+struct Tile {
+  int m0, nb, e;
+};
+
+// Persistent schedule: CTA b takes tiles b, b + grid, ... of the (m-block, n-block) grid that
+// num_tokens_post_padded (read on the device) covers; blocks whose expert is outside [0, E)
+// are skipped, so corrupted routing buffers cannot send a CTA out of bounds.
+struct TileScheduler {
+  int total, next;
+  __device__ explicit TileScheduler(const GemmParams& p) : next(blockIdx.x) {
+    int ntpp = *p.ntpp;
+    ntpp = ntpp < 0 ? 0 : (ntpp > p.L ? p.L : ntpp);
+    total = (ntpp + kBM - 1) / kBM * p.num_n;
+  }
+  __device__ bool next_tile(const GemmParams& p, Tile& t) {
+    for (; next < total; next += gridDim.x) {
+      const int mb = next / p.num_n;
+      const int e = p.expert_ids[mb];
+      if (e >= 0 && e < p.E) {
+        t = Tile{mb * kBM, next - mb * p.num_n, e};
+        next += gridDim.x;
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+// The (tile, k-block) sequence of a CTA as one cursor (for producers that run ahead).
+struct KIter {
+  TileScheduler sched;
+  Tile tile;
+  int kb = 0;
+  bool valid;
+  __device__ KIter(const GemmParams& p) : sched(p) { valid = sched.next_tile(p, tile); }
+  __device__ void advance(const GemmParams& p, int nk) {
+    if (++kb < nk) return;
+    kb = 0;
+    valid = sched.next_tile(p, tile);
+  }
+};
+
+template <Kind kKind>
+__device__ __forceinline__ int n_origin(const Tile& t) {
+  return t.nb * (kKind == Kind::kGateUp ? 128 : 256);
+}
+
+// ---------------------------------------------------------------- producer: A operand
+// Gate/up A: token rows gathered from x by kGatherThreads threads. Thread t copies 16-byte
+// chunk (t % 8) of rows t/8 + j*kGatherThreads/8 straight into the 128-byte-swizzled layout
+// wgmma reads; padding rows are zero-filled (src-size 0). The arrive on the stage's full
+// barrier fires asynchronously when the thread's copies have landed (CUTLASS's SM90 cp.async
+// mainloop does the same), so the gathering threads never wait for their own loads.
+template <int kGatherThreads>
+struct GatherA {
+  static constexpr int kRowStep = kGatherThreads / 8;
+  static constexpr int kRows = kBM / kRowStep;  // rows per thread
+  const __nv_bfloat16* src[kRows];
+  uint32_t okmask;
+  int c, r0;
+  uint32_t swz;
+  __device__ GatherA() {
+    const int t = threadIdx.x;
+    c = t & 7;
+    r0 = t >> 3;
+    swz = (uint32_t)((c ^ (r0 & 7)) << 4);  // rows r0 + j*kRowStep share r0's swizzle phase
+  }
+  __device__ void begin_tile(const GemmParams& p, const Tile& tile) {
+    okmask = 0;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int sid = p.sorted_ids[tile.m0 + r0 + kRowStep * j];
+      const bool ok = sid >= 0 && sid < p.n_slots;
+      okmask |= (ok ? 1u : 0u) << j;
+      src[j] = p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8;
+    }
+  }
+  __device__ void issue(const GemmParams& p, int kb, uint32_t a_smem, uint32_t full_bar) const {
+    const bool kok = kb * kBK + c * 8 < p.K;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const bool ok = kok && ((okmask >> j) & 1u);
+      const uint32_t dst = a_smem + (uint32_t)(r0 + kRowStep * j) * 128u + swz;
+      cp_async_16(dst, ok ? (const void*)(src[j] + kb * kBK) : (const void*)p.x, ok ? 16u : 0u);
+    }
+    cp_async_arrive_noinc(full_bar);
+  }
+};
+
+// ---------------------------------------------------------------- producer: e4m3 B operand
+// One e4m3 slot holds the two 128-row B boxes of a k-block (64-byte rows, TMA swizzle 64B) and
+// the blocked-layout scale chunks covering them (one 512-byte chunk per 128-row group the box
+// overlaps, two when the box does not start on a group boundary).
+template <Kind kKind, int kStages, int kFp8Slots>
+struct Mxfp8B {
+  using Plan = SmemPlan<kStages, kFp8Slots>;
+
+  __device__ static void box_rows(const GemmParams& p, const Tile& t, int (&row0)[2]) {
+    row0[0] = n_origin<kKind>(t);
+    row0[1] = row0[0] + p.b_second;
+  }
+
+  // Thread 0: TMA both boxes and bulk-copy their scale chunks into `slot`, completing on `bar`.
+  __device__ static void fetch(const CUtensorMap& tmB, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
+                               uint32_t bar) {
+    int row0[2];
+    box_rows(p, t, row0);
+    const uint8_t* src[2][2];
+    uint32_t bytes = 2 * Plan::kFp8BoxBytes;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int64_t g0 = (int64_t)t.e * p.b_rows + row0[b];
+      const int64_t grp = g0 / 128;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const bool need = (j == 0 || g0 % 128 != 0) && grp + j < p.scale_row_groups;
+        src[b][j] = need ? p.b_scales + ((grp + j) * p.scale_col_groups + kb / 2) * Plan::kScaleChunk : nullptr;
+        bytes += need ? Plan::kScaleChunk : 0;
+      }
+    }
+    mbar_arrive_expect_tx(bar, bytes);
+    tma_load_3d(slot, &tmB, kb * kBK, row0[0], t.e, bar);
+    tma_load_3d(slot + Plan::kFp8BoxBytes, &tmB, kb * kBK, row0[1], t.e, bar);
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        if (src[b][j])
+          bulk_load(slot + 2 * Plan::kFp8BoxBytes + (b * 2 + j) * Plan::kScaleChunk, src[b][j], Plan::kScaleChunk,
+                    bar);
+  }
+
+  // The kConvThreads converting threads: thread r dequantizes rows r, r + kConvThreads, ...
+  // of the 256-row B tile (4 chunks of 16 e4m3 each, one scale per 2 chunks) into the bf16 B
+  // tile of the stage at `b_smem`, in the 128-byte swizzle wgmma reads. Every shared-memory
+  // load of the k-block is issued before the first conversion: under the consumers' wgmma
+  // operand traffic a shared load takes hundreds of cycles, so the thread pays one round trip
+  // per k-block, not one per row.
+  template <int kConvThreads>
+  __device__ static void convert(const GemmParams& p, const Tile& t, int kb, uint32_t slot, uint32_t b_smem,
+                                 int thread) {
+    constexpr int kRowsPerThread = 256 / kConvThreads;
+    uint4 q[kRowsPerThread][4];
+    uint32_t two[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int rr = thread + i * kConvThreads;
+      const int b = rr >> 7, r = rr & 127;
+      const int box_row0 = n_origin<kKind>(t) + (b ? p.b_second : 0);
+      const int64_t g0 = (int64_t)t.e * p.b_rows + box_row0;
+      const int64_t g = g0 + r;
+      const uint32_t sc = slot + 2 * Plan::kFp8BoxBytes + (b * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
+                          (uint32_t)((g % 32) * 16 + ((g % 128) / 32) * 4 + 2 * (kb & 1));
+      uint16_t s16;
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(s16) : "r"(sc));
+      two[i] = s16;
+      const uint32_t src = slot + b * Plan::kFp8BoxBytes + r * 64;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(q[i][c].x), "=r"(q[i][c].y), "=r"(q[i][c].z), "=r"(q[i][c].w)
+                     : "r"(src + ((c ^ ((r >> 1) & 3)) << 4)));
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int rr = thread + i * kConvThreads;
+      const int b = rr >> 7, r = rr & 127;
+      const int row = n_origin<kKind>(t) + (b ? p.b_second : 0) + r;
+      const uint32_t dst = b_smem + b * Plan::kBBoxBytes + r * 128;
+      const bool live = row < p.b_rows;  // past this expert's rows: zeros (scales may be stale)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+        if (live) mx::dequant16(q[i][c], c < 2 ? (two[i] & 0xffu) : (two[i] >> 8), lo, hi);
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + (((2 * c) ^ (r & 7)) << 4)), "r"(lo.x),
+                     "r"(lo.y), "r"(lo.z), "r"(lo.w)
+                     : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + (((2 * c + 1) ^ (r & 7)) << 4)), "r"(hi.x),
+                     "r"(hi.y), "r"(hi.z), "r"(hi.w)
+                     : "memory");
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------- barriers
+template <int kStages, int kFp8Slots>
+struct Barriers {
+  uint32_t base;
+  __device__ uint32_t full(int s) const { return base + 8 * s; }
+  __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
+  __device__ uint32_t fp8_full(int f) const { return base + 8 * (2 * kStages + f); }
+};
+
+// Producer roles. bf16: all 128 threads gather A (gate/up) and thread 0 issues every TMA.
+// MXFP8: the same, and all 128 threads also dequantize B (one warp per SM sub-partition:
+// measured 1.7x faster than splitting gather and dequantization over separate warps), thread 0
+// fetching the e4m3 ring.
+constexpr int kMxfp8ConvThreads = 128;
+
+// Arrivals that complete a stage: gathered A = one cp.async arrival per gathering thread;
+// TMA'd A = one expect_tx arrive; bf16 B rides on an expect_tx arrive (gate/up) or on A's
+// (down); MXFP8 B = one arrive per converting thread.
+template <Kind kKind, BSource kB>
+__host__ __device__ constexpr uint32_t full_arrivals() {
+  if (kB == BSource::kBf16) return kKind == Kind::kGateUp ? 128u + 1u : 1u;
+  return (kKind == Kind::kGateUp ? 128u : 1u) + (uint32_t)kMxfp8ConvThreads;
+}
+
+// ---------------------------------------------------------------- producers
+template <Kind kKind, int kStages>
+__device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
+                             const Barriers<kStages, 0>& bars, int nk) {
+  using Plan = SmemPlan<kStages, 0>;
+  const int t = threadIdx.x;
+  if (kKind == Kind::kDown && t != 0) return;  // one thread issues every TMA
+  TileScheduler sched(p);
+  GatherA<128> gather;
+  Tile tile;
+  uint32_t it = 0;
+  while (sched.next_tile(p, tile)) {
+    const int n0 = n_origin<kKind>(tile);
+    if (kKind == Kind::kGateUp) gather.begin_tile(p, tile);
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
+      const uint32_t a_s = sbase + s * Plan::kStageBytes;
+      const uint32_t b_s = a_s + Plan::kABytes;
+      if (t == 0) {
+        mbar_arrive_expect_tx(bars.full(s), 2 * Plan::kBBoxBytes + (kKind == Kind::kDown ? Plan::kABytes : 0));
+        if (kKind == Kind::kDown) tma_load_2d(a_s, &tmA, kb * kBK, tile.m0, bars.full(s));
+        tma_load_3d(b_s, &tmB, kb * kBK, n0, tile.e, bars.full(s));
+        tma_load_3d(b_s + Plan::kBBoxBytes, &tmB, kb * kBK, n0 + p.b_second, tile.e, bars.full(s));
+      }
+      if (kKind == Kind::kGateUp) gather.issue(p, kb, a_s, bars.full(s));
+    }
+  }
+  if (kKind == Kind::kGateUp) cp_async_wait_all();
+}
+
+template <Kind kKind, int kStages, int kFp8Slots>
+__device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
+                              const Barriers<kStages, kFp8Slots>& bars, int nk) {
+  using Plan = SmemPlan<kStages, kFp8Slots>;
+  using B = Mxfp8B<kKind, kStages, kFp8Slots>;
+  const int t = threadIdx.x;
+  const uint32_t fp8_base = sbase + Plan::kFp8Offset;
+  KIter cur(p);
+  KIter fetch = cur;  // thread 0 keeps the e4m3 ring kFp8Slots k-blocks ahead of the conversion
+  if (t == 0)
+    for (int f = 0; f < kFp8Slots && fetch.valid; ++f, fetch.advance(p, nk))
+      B::fetch(tmB, p, fetch.tile, fetch.kb, fp8_base + f * Plan::kFp8SlotBytes, bars.fp8_full(f));
+  GatherA<128> gather;
+  for (uint32_t it = 0; cur.valid; ++it, cur.advance(p, nk)) {
+    const int s = it % kStages, f = it % kFp8Slots;
+    const uint32_t a_s = sbase + s * Plan::kStageBytes;
+    const uint32_t slot = fp8_base + f * Plan::kFp8SlotBytes;
+    mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
+    if (kKind == Kind::kGateUp) {
+      if (cur.kb == 0) gather.begin_tile(p, cur.tile);
+      gather.issue(p, cur.kb, a_s, bars.full(s));
+    } else if (t == 0) {
+      mbar_arrive_expect_tx(bars.full(s), Plan::kABytes);
+      tma_load_2d(a_s, &tmA, cur.kb * kBK, cur.tile.m0, bars.full(s));
+    }
+    mbar_wait(bars.fp8_full(f), (it / kFp8Slots) & 1);
+    B::template convert<kMxfp8ConvThreads>(p, cur.tile, cur.kb, slot, a_s + Plan::kABytes, t);
+    fence_proxy_async();  // the bf16 writes must be visible to wgmma (async proxy) ...
+    mbar_arrive(bars.full(s));
+    named_barrier_sync(1, 128);  // ... and every thread is done reading the e4m3 slot
+    if (t == 0 && fetch.valid) {
+      B::fetch(tmB, p, fetch.tile, fetch.kb, slot, bars.fp8_full(f));
+      fetch.advance(p, nk);
+    }
+  }
+  if (kKind == Kind::kGateUp) cp_async_wait_all();
+}
+
+// ---------------------------------------------------------------- epilogues
+// Accumulator layout of m64n128 (per consumer warpgroup): thread holds rows
+// row_base + {0, 8} and columns n0 + 8j + 2*(lane%4) + {0, 1}, j = 0..15.
+__device__ __forceinline__ void store_swiglu(const GemmParams& p, const Tile& tile, int row_base, int lane,
+                                             const float (&gate)[64], const float (&up)[64]) {
+  const int n0 = n_origin<Kind::kGateUp>(tile);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    __nv_bfloat16* orow = p.out + (int64_t)(row_base + 8 * h) * p.ldo;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int col = n0 + j * 8 + (lane & 3) * 2;
+      if (col < p.n_out) {
+        const float g0 = gate[4 * j + 2 * h], g1 = gate[4 * j + 2 * h + 1];
+        const float u0 = up[4 * j + 2 * h], u1 = up[4 * j + 2 * h + 1];
+        const float v0 = g0 / (1.f + __expf(-g0)) * u0;
+        const float v1 = g1 / (1.f + __expf(-g1)) * u1;
+        *reinterpret_cast<__nv_bfloat162*>(orow + col) = __floats2bfloat162_rn(v0, v1);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void store_weighted(const GemmParams& p, const Tile& tile, int row_base, int lane,
+                                               const float (&lo)[64], const float (&hi)[64]) {
+  const int n0 = n_origin<Kind::kDown>(tile);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row_base + 8 * h;
+    const int sid = p.sorted_ids[row];
+    const float wt = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
+    __nv_bfloat16* orow = p.out + (int64_t)row * p.ldo;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int col = n0 + j * 8 + (lane & 3) * 2;
+      if (col < p.n_out)
+        *reinterpret_cast<__nv_bfloat162*>(orow + col) =
+            __floats2bfloat162_rn(lo[4 * j + 2 * h] * wt, lo[4 * j + 2 * h + 1] * wt);
+      if (col + 128 < p.n_out)
+        *reinterpret_cast<__nv_bfloat162*>(orow + col + 128) =
+            __floats2bfloat162_rn(hi[4 * j + 2 * h] * wt, hi[4 * j + 2 * h + 1] * wt);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- consumer
+// Each consumer warpgroup owns 64 rows of the tile and two m64n128 accumulators (gate/up, or
+// the two 128-column halves of the down tile). A stage is released (empty barrier, one
+// arrive per warp) once the wgmmas of the next stage are issued and those of it retired.
+template <Kind kKind, int kStages, int kFp8Slots>
+__device__ void consume(const GemmParams& p, uint32_t sbase, const Barriers<kStages, kFp8Slots>& bars, int nk) {
+  using Plan = SmemPlan<kStages, kFp8Slots>;
+  const int cw = threadIdx.x / 128 - 1;
+  const int w4 = (threadIdx.x / 32) & 3;
+  const int lane = threadIdx.x & 31;
+  float acc0[64], acc1[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    acc0[i] = 0.f;
+    acc1[i] = 0.f;
+  }
+  TileScheduler sched(p);
+  Tile tile;
+  uint32_t it = 0;
+  while (sched.next_tile(p, tile)) {
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(bars.full(s), (it / kStages) & 1);
+      const uint32_t a_base = sbase + s * Plan::kStageBytes + cw * (Plan::kABytes / 2);
+      const uint32_t b_base = sbase + s * Plan::kStageBytes + Plan::kABytes;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t da = make_desc_sw128(a_base + kk * 32);
+        const uint64_t db0 = make_desc_sw128(b_base + kk * 32);
+        const uint64_t db1 = make_desc_sw128(b_base + Plan::kBBoxBytes + kk * 32);
+        const int sc = (kb > 0 || kk > 0) ? 1 : 0;
+        wgmma_m64n128k16_bf16(acc0, da, db0, sc);
+        wgmma_m64n128k16_bf16(acc1, da, db1, sc);
+      }
+      wgmma_commit();
+      if (kb > 0) {
+        wgmma_wait<1>();
+        if (lane == 0) mbar_arrive(bars.empty((it - 1) % kStages));
+      }
+    }
+    wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(bars.empty((it - 1) % kStages));
+
+    const int row_base = tile.m0 + cw * 64 + w4 * 16 + (lane >> 2);
+    if (kKind == Kind::kGateUp)
+      store_swiglu(p, tile, row_base, lane, acc0, acc1);
+    else
+      store_weighted(p, tile, row_base, lane, acc0, acc1);
+  }
+}
+
+// ---------------------------------------------------------------- kernel
+template <Kind kKind, BSource kB, int kStages, int kFp8Slots>
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                    const GemmParams p) {
+  static_assert((kB == BSource::kMxfp8) == (kFp8Slots > 0), "e4m3 slots exist exactly for the MXFP8 B source");
+  using Plan = SmemPlan<kStages, kFp8Slots>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t sbase = smem_u32(smem);
+  const Barriers<kStages, kFp8Slots> bars{sbase + Plan::kBarOffset};
+  const int nk = (p.K + kBK - 1) / kBK;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bars.full(s), full_arrivals<kKind, kB>());
+      mbar_init(bars.empty(s), 8);  // one arrive per consumer warp
+    }
+    for (int f = 0; f < kFp8Slots; ++f) mbar_init(bars.fp8_full(f), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Register rebalancing: the CTA holds 168 x 384 registers; what the producer gives up
+  // (168 - P) x 128 must cover what the consumers take (C - 168) x 256, or setmaxnreg.inc
+  // waits forever. bf16: P = 56, C = 224; MXFP8 (the producer also dequantizes): P = 104, C = 200.
+  if (threadIdx.x < 128) {
+    if constexpr (kB == BSource::kBf16) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+      produce_bf16<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
+    } else {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 104;");
+      produce_mxfp8<kKind, kStages, kFp8Slots>(tmA, tmB, p, sbase, bars, nk);
+    }
+  } else {
+    if constexpr (kB == BSource::kBf16)
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    else
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
+    consume<kKind, kStages, kFp8Slots>(p, sbase, bars, nk);
+  }
+}
+
+}  // namespace gemm
+}  // namespace flash_moe
