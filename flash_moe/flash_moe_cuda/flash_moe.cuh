@@ -99,4 +99,9 @@ cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                              cudaStream_t stream);
 
+// dequantize_mxfp8 with every 64-wide K block stored K-permuted (the layout the MXFP8 GEMM's
+// register-operand path reads; K a multiple of 64). Internal to fused_moe_mxfp8.
+cudaError_t dequantize_mxfp8_k64_permuted(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
+                                         cudaStream_t stream);
+
 }  // namespace flash_moe

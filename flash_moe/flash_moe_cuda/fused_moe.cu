@@ -14,6 +14,9 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "flash_moe.cuh"
 #include "moe_gemm.cuh"
 
@@ -153,6 +156,19 @@ cudaError_t launch_gemm(const CUtensorMap& tmA, const CUtensorMap& tmB, const Ge
   return cudaGetLastError();
 }
 
+template <Kind kKind, int kStages>
+cudaError_t launch_gemm_rs(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, cudaStream_t stream) {
+  const int smem = gemm::RsPlan<kStages>::kLaunchBytes;
+  auto kern = gemm::moe_gemm_mxfp8_rs_kernel<kKind, kStages>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
+  if (max_tiles == 0) return cudaSuccess;
+  const int grid = (int)(max_tiles < num_sms() ? max_tiles : num_sms());
+  kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, p);
+  return cudaGetLastError();
+}
+
 // Both GEMMs of one op at one pipeline depth.
 template <BSource kB, int kStages, int kFp8Slots>
 cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
@@ -275,9 +291,15 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, true);
   cudaError_t err = cudaMemsetAsync(ws.inv, 0xFF, (size_t)a.M * a.top_k * 4, stream);
   if (err != cudaSuccess) return err;
+  // Temporary A/B switch for one measurement: "smem" = dequantize into shared memory (the
+  // committed path), anything else = weights dequantized in registers (K, I multiples of 64).
+  const char* path_env = getenv("FLASH_MOE_MXFP8_PATH");
+  const bool smem_path = path_env && strcmp(path_env, "smem") == 0;
+  const bool rs = !smem_path && a.K % 64 == 0 && a.I % 64 == 0;
   if (a.L > 0) {
     // x is read top_k times by the gather: dequantize it once (M*K*3 bytes, ~1% of the op).
-    err = dequantize_mxfp8(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream);
+    err = rs ? dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream)
+             : dequantize_mxfp8(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream);
     if (err != cudaSuccess) return err;
     CUtensorMap tm_w, tm_h, tm_w2;
     if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
@@ -293,8 +315,13 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)((a.I / kMxfp8ScaleBlock + 3) / 4);
     p2.scale_row_groups = (int)((a.E * a.K + 127) / 128);
-    err = a.stages == 3 ? launch_gemms<BSource::kMxfp8, 3, 4>(tm_w, tm_h, tm_w2, p1, p2, stream)
-                        : launch_gemms<BSource::kMxfp8, 2, 6>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    if (rs) {
+      err = launch_gemm_rs<Kind::kGateUp, 6>(tm_w, tm_w, p1, stream);
+      if (err == cudaSuccess) err = launch_gemm_rs<Kind::kDown, 6>(tm_h, tm_w2, p2, stream);
+    } else {
+      err = a.stages == 3 ? launch_gemms<BSource::kMxfp8, 3, 4>(tm_w, tm_h, tm_w2, p1, p2, stream)
+                          : launch_gemms<BSource::kMxfp8, 2, 6>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    }
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);

@@ -178,7 +178,7 @@ struct Mxfp8B {
 
   // Thread 0: TMA both boxes and bulk-copy their scale chunks into `slot`, completing on `bar`.
   __device__ static void fetch(const CUtensorMap& tmB, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
-                               uint32_t bar) {
+                               uint32_t bar, uint32_t extra_tx = 0) {
     int row0[2];
     box_rows(p, t, row0);
     const uint8_t* src[2][2];
@@ -194,7 +194,7 @@ struct Mxfp8B {
         bytes += need ? Plan::kScaleChunk : 0;
       }
     }
-    mbar_arrive_expect_tx(bar, bytes);
+    mbar_arrive_expect_tx(bar, bytes + extra_tx);  // extra_tx: what the caller adds on `bar`
     tma_load_3d(slot, &tmB, kb * kBK, row0[0], t.e, bar);
     tma_load_3d(slot + Plan::kFp8BoxBytes, &tmB, kb * kBK, row0[1], t.e, bar);
 #pragma unroll
@@ -446,6 +446,226 @@ __device__ void consume(const GemmParams& p, uint32_t sbase, const Barriers<kSta
       store_swiglu(p, tile, row_base, lane, acc0, acc1);
     else
       store_weighted(p, tile, row_base, lane, acc0, acc1);
+  }
+}
+
+// ---------------------------------------------------------------- MXFP8, weights in registers
+// The second MXFP8 path: the weights become the M-side operand (h^T = W x^T, Y^T = W2 h^T) so
+// the consumer can dequantize them in registers and feed wgmma with A from registers, as
+// CUTLASS's mixed-input Hopper GEMM does; nothing is written back to shared memory. Tokens
+// (x as bf16, or h) are the B operand, as a 128-token x 64 tile in the 128-byte swizzle.
+//
+// One 16-byte e4m3 load must hold exactly a thread's A-fragment bytes for the 4 k16 steps of
+// a k-block (lane l: k = 2(l%4) + {0,1} and + 8 of each step). So inside every 64-wide K
+// block the bf16 B operand is stored with its K permuted: logical 16c + 4s + j is kept at
+// physical 16s + 8(j >> 1) + 2c + (j & 1), and thread l loads logical bytes [16(l%4), +16).
+// x gets the permutation from the dequantizing pre-pass, h from the gate/up epilogue.
+namespace kperm {
+__host__ __device__ constexpr int physical(int logical) {
+  return 16 * ((logical >> 2) & 3) + 8 * ((logical & 3) >> 1) + 2 * (logical >> 4) + (logical & 1);
+}
+// Which row of a 64-row weight block feeds fragment row r. Rows r and r + 8 of a thread then
+// produce adjacent output columns: physical h column (gate/up) or output feature (down)
+// 16(r/16) + 2(r%8) + (r/8)%2, so the epilogue stores bf16 pairs.
+__host__ __device__ constexpr int pair_column(int r) { return 16 * (r >> 4) + 2 * (r & 7) + ((r >> 3) & 1); }
+__host__ __device__ constexpr int gate_up_row(int r) {  // logical h feature whose physical column is pair_column(r)
+  return 16 * (r & 3) + 4 * (r >> 4) + 2 * ((r >> 2) & 1) + ((r >> 3) & 1);
+}
+static_assert(physical(gate_up_row(37)) == pair_column(37) && physical(gate_up_row(6)) == pair_column(6),
+              "gate/up rows must land on their pair columns");
+}  // namespace kperm
+
+template <int kStages>
+struct RsPlan {
+  static constexpr int kTokBytes = kBM * kBK * 2;   // 16 KB bf16 token tile (B operand)
+  static constexpr int kFp8BoxBytes = 128 * kBK;    // 8 KB e4m3 box, 64-byte rows
+  static constexpr int kScaleChunk = 512;
+  static constexpr int kStageBytes = kTokBytes + 2 * kFp8BoxBytes + 2 * 2 * kScaleChunk;  // 34 KB
+  static constexpr int kWtOffset = kStages * kStageBytes;  // router weights of the tile, per WG
+  static constexpr int kBarOffset = kWtOffset + 2 * kBM * 4;
+  static constexpr int kBytes = kBarOffset + 2 * kStages * 8;
+  static constexpr int kLaunchBytes = kBytes + 1024;
+  static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
+};
+
+template <Kind kKind, int kStages>
+__device__ void produce_rs(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
+                           const Barriers<kStages, 0>& bars, int nk) {
+  using Plan = RsPlan<kStages>;
+  using B = Mxfp8B<kKind, kStages, 0>;
+  const int t = threadIdx.x;
+  if (kKind == Kind::kDown && t != 0) return;  // one thread issues every copy
+  TileScheduler sched(p);
+  GatherA<128> gather;
+  Tile tile;
+  uint32_t it = 0;
+  while (sched.next_tile(p, tile)) {
+    if (kKind == Kind::kGateUp) gather.begin_tile(p, tile);
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
+      const uint32_t tok = sbase + s * Plan::kStageBytes;
+      if (t == 0) {
+        B::fetch(tmB, p, tile, kb, tok + Plan::kTokBytes, bars.full(s), kKind == Kind::kDown ? Plan::kTokBytes : 0);
+        if (kKind == Kind::kDown) tma_load_2d(tok, &tmA, kb * kBK, tile.m0, bars.full(s));
+      }
+      if (kKind == Kind::kGateUp) gather.issue(p, kb, tok, bars.full(s));
+    }
+  }
+  if (kKind == Kind::kGateUp) cp_async_wait_all();
+}
+
+// The weight rows of one consumer thread: fragment rows r0 = 16w + l/4 and r0 + 8 of the
+// warpgroup's two m64 blocks. Gate/up: block 0 = gate, block 1 = up, both for the warpgroup's
+// 64 h features; down: the warpgroup's 128 output features as two blocks.
+template <Kind kKind>
+__device__ __forceinline__ int rs_tile_row(int cw, int block, int r) {
+  if (kKind == Kind::kGateUp) return block * 128 + 64 * cw + kperm::gate_up_row(r);
+  return cw * 128 + 64 * block + kperm::pair_column(r);
+}
+
+template <Kind kKind, int kStages>
+__device__ void consume_rs(const GemmParams& p, uint32_t sbase, const Barriers<kStages, 0>& bars, int nk) {
+  using Plan = RsPlan<kStages>;
+  const int cw = threadIdx.x / 128 - 1;
+  const int w4 = (threadIdx.x / 32) & 3;
+  const int lane = threadIdx.x & 31;
+  const int cq = lane & 3;  // this thread's 16-byte chunk of every 64-byte e4m3 row
+  float acc0[64], acc1[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    acc0[i] = 0.f;
+    acc1[i] = 0.f;
+  }
+  TileScheduler sched(p);
+  Tile tile;
+  uint32_t it = 0;
+  while (sched.next_tile(p, tile)) {
+    const int n0 = n_origin<kKind>(tile);
+    // per (block, half): row in the 256-row e4m3 tile, its box, validity, scale location
+    uint32_t q_off[2][2], sc_off[2][2];
+    bool live[2][2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = rs_tile_row<kKind>(cw, b, 16 * w4 + (lane >> 2) + 8 * h);
+        const int box = row >> 7, rib = row & 127;
+        const int box_row0 = n0 + (box ? p.b_second : 0);
+        const int64_t g0 = (int64_t)tile.e * p.b_rows + box_row0;
+        const int64_t g = g0 + rib;
+        live[b][h] = box_row0 + rib < p.b_rows;
+        q_off[b][h] = Plan::kTokBytes + box * Plan::kFp8BoxBytes + rib * 64 + ((cq ^ ((rib >> 1) & 3)) << 4);
+        sc_off[b][h] = Plan::kTokBytes + 2 * Plan::kFp8BoxBytes +
+                       (box * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
+                       (uint32_t)((g % 32) * 16 + ((g % 128) / 32) * 4 + (cq >> 1));
+      }
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      const uint32_t stage = sbase + s * Plan::kStageBytes;
+      mbar_wait(bars.full(s), (it / kStages) & 1);
+      uint32_t a[2][2][8];  // [block][half][bf16 pairs of the 16 e4m3 values]
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint4 q;
+          uint32_t byte;
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                       : "r"(stage + q_off[b][h]));
+          asm volatile("ld.shared.u8 %0, [%1];" : "=r"(byte) : "r"(stage + sc_off[b][h] + 2 * (kb & 1)));
+          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+          if (live[b][h]) mx::dequant16(q, byte, lo, hi);
+          a[b][h][0] = lo.x; a[b][h][1] = lo.y; a[b][h][2] = lo.z; a[b][h][3] = lo.w;
+          a[b][h][4] = hi.x; a[b][h][5] = hi.y; a[b][h][6] = hi.z; a[b][h][7] = hi.w;
+        }
+      wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        // k16 step st: logical bytes 4st..4st+3 of the thread's chunk = pairs 2st, 2st+1
+        const uint64_t db = make_desc_sw128(stage + st * 32);
+        const int sc = (kb > 0 || st > 0) ? 1 : 0;
+        const uint32_t f0[4] = {a[0][0][2 * st], a[0][1][2 * st], a[0][0][2 * st + 1], a[0][1][2 * st + 1]};
+        const uint32_t f1[4] = {a[1][0][2 * st], a[1][1][2 * st], a[1][0][2 * st + 1], a[1][1][2 * st + 1]};
+        wgmma_m64n128k16_bf16_rs(acc0, f0, db, sc);
+        wgmma_m64n128k16_bf16_rs(acc1, f1, db, sc);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();  // the fragments are rewritten next k-block; the other warpgroup fills the gap
+      if (lane == 0) mbar_arrive(bars.empty(s));
+    }
+
+    // ---------------------------------------------------------- epilogue (transposed tiles)
+    // Thread holds rows r0 = 16 w4 + l/4 and r0 + 8 (one bf16 pair of output columns) for
+    // tokens 8j + 2(l%4) + {0, 1}, j = 0..15.
+    const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
+    if (kKind == Kind::kGateUp) {
+      const int col = n0 + 64 * cw + pc;  // physical h column (K-permuted for the down GEMM)
+      if (n0 + 64 * cw < p.n_out) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tok = tile.m0 + 8 * j + 2 * cq + e;
+            const float g0 = acc0[4 * j + e], g1 = acc0[4 * j + 2 + e];
+            const float u0 = acc1[4 * j + e], u1 = acc1[4 * j + 2 + e];
+            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)tok * p.ldo + col) =
+                __floats2bfloat162_rn(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1);
+          }
+      }
+    } else {
+      float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kBM;
+      const int q = threadIdx.x & 127;
+      named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
+      {
+        const int sid = p.sorted_ids[tile.m0 + q];
+        wt[q] = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
+      }
+      named_barrier_sync(2 + cw, 128);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int col = n0 + 128 * cw + 64 * b + pc;  // output feature
+        if (col >= p.n_out) continue;
+        const float(&acc)[64] = b ? acc1 : acc0;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tl = 8 * j + 2 * cq + e;
+            const float wv = wt[tl];
+            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)(tile.m0 + tl) * p.ldo + col) =
+                __floats2bfloat162_rn(acc[4 * j + e] * wv, acc[4 * j + 2 + e] * wv);
+          }
+      }
+    }
+  }
+}
+
+template <Kind kKind, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_gemm_mxfp8_rs_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                             const GemmParams p) {
+  using Plan = RsPlan<kStages>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t sbase = smem_u32(smem);
+  const Barriers<kStages, 0> bars{sbase + Plan::kBarOffset};
+  const int nk = (p.K + kBK - 1) / kBK;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bars.full(s), full_arrivals<kKind, BSource::kBf16>());  // same arrivals as the bf16 path
+      mbar_init(bars.empty(s), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    produce_rs<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    consume_rs<kKind, kStages>(p, sbase, bars, nk);
   }
 }
 

@@ -110,6 +110,34 @@ __global__ void __launch_bounds__(kThreadsPerCta) dequantize_kernel(const uint8_
   }
 }
 
+// As dequantize_kernel, but every 64-wide K block is written K-permuted for the MXFP8 GEMM's
+// register-operand path (moe_gemm.cuh, kperm): logical 16c + 4s + j -> physical
+// 16s + 8(j >> 1) + 2c + (j & 1). A thread's 16 elements are one c of one block.
+__global__ void __launch_bounds__(kThreadsPerCta) dequantize_k64_permuted_kernel(const uint8_t* __restrict__ vals,
+                                                                                  const uint8_t* __restrict__ scales,
+                                                                                  int64_t R, int K,
+                                                                                  __nv_bfloat16* __restrict__ out) {
+  const int chunks_per_row = K / 16;
+  const int S = K / kMxfp8ScaleBlock;
+  const int64_t total = R * chunks_per_row;
+  for (int64_t i = (int64_t)blockIdx.x * kThreadsPerCta + threadIdx.x; i < total;
+       i += (int64_t)gridDim.x * kThreadsPerCta) {
+    const int64_t r = i / chunks_per_row;
+    const int q = (int)(i - r * chunks_per_row);
+    const uint4 v = *reinterpret_cast<const uint4*>(vals + i * 16);
+    uint4 lo, hi;
+    mx::dequant16(v, scales[r * S + q / 2], lo, hi);
+    const uint32_t o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // pairs (2k, 2k+1)
+    __nv_bfloat16* block = out + r * K + (q / 4) * 64;
+    const int c = q % 4;
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      *reinterpret_cast<uint32_t*>(block + 16 * st + 2 * c) = o[2 * st];          // logical 4st, 4st+1
+      *reinterpret_cast<uint32_t*>(block + 16 * st + 8 + 2 * c) = o[2 * st + 1];  // logical 4st+2, 4st+3
+    }
+  }
+}
+
 int grid_for(int64_t chunks) {
   static int sms = [] {
     int dev = 0, v = 0;
@@ -151,6 +179,16 @@ cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t
   if (chunks == 0) return cudaSuccess;
   dequantize_kernel<<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(vals, scales, R, (int)K,
                                                                      static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
+}
+
+cudaError_t dequantize_mxfp8_k64_permuted(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
+                                         cudaStream_t stream) {
+  if (K % 64 != 0 || K <= 0) return cudaErrorInvalidValue;
+  const int64_t chunks = R * (K / 16);
+  if (chunks == 0) return cudaSuccess;
+  dequantize_k64_permuted_kernel<<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(vals, scales, R, (int)K,
+                                                                                  static_cast<__nv_bfloat16*>(out));
   return cudaGetLastError();
 }
 
