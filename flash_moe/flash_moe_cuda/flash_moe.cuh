@@ -18,11 +18,11 @@ constexpr int kWarpN = 128;
 // bf16 shared-memory pipeline depths the kernels are instantiated for.
 constexpr int kStagesMin = 3;
 constexpr int kStagesMax = 4;
-// MXFP8: bf16 stages (each paired with an e4m3 ring of kFp8SlotsFor(stages) slots).
-constexpr int kMxfp8StagesMin = 2;
-constexpr int kMxfp8StagesMax = 3;
-constexpr int kMxfp8StagesDefault = 3;
+// MXFP8: shared-memory stages of the kernel (token tile + e4m3 weights + scales, 34 KB each),
+// the only depth instantiated; K and I must be multiples of kMxfp8KBlock.
+constexpr int kMxfp8Stages = 6;
 constexpr int kMxfp8ScaleBlock = 32;
+constexpr int kMxfp8KBlock = 64;
 constexpr int kMaxExperts = 512;
 constexpr int kMaxTopK = 16;
 
@@ -67,7 +67,7 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------- fused_moe_mxfp8
 struct FusedMoeMxfp8Args {
-  const void* x;               // (M, K) e4m3
+  const void* x;               // (M, K) e4m3; K and I multiples of kMxfp8KBlock
   const uint8_t* x_scales;     // (M, K/32) e8m0 bytes, row-major
   const void* w;               // (E, 2I, K) e4m3
   const uint8_t* w_scales;     // blocked layout of the (E*2I, K/32) scale matrix
@@ -80,7 +80,7 @@ struct FusedMoeMxfp8Args {
   void* out;                   // (M, K) bf16
   int64_t M, K, I, E, L;
   int top_k;
-  int stages;                  // kMxfp8StagesMin..kMxfp8StagesMax
+  int stages;                  // kMxfp8Stages
   bool split;
   void* workspace;             // fused_moe_mxfp8_workspace_bytes(...) bytes, 256-byte aligned
 };

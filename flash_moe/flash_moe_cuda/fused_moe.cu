@@ -1,21 +1,18 @@
 // Host side of fused_moe_bf16 and fused_moe_mxfp8 (Hopper, sm_90a): tensor maps, workspace,
 // and the launch sequence shared by both ops:
 //
-//   [mxfp8 only] x -> bf16 (dequantize_mxfp8; the gather then reads bf16 rows)
+//   [mxfp8 only] x -> bf16, K-permuted (the gather then reads bf16 rows)
 //   GEMM1 gate/up  h[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      bf16 h
 //   GEMM2 down     Y[p] = topk_weight[slot(p)] * (h[p] @ W2[e]^T)                 bf16 Y
 //   inverse        pos[slot] = p   (slot -> sorted position)
 //   reduce         out[t] (+)= sum_{k ascending} Y[pos(t*top_k + k)]   in fp32
 //
-// The GEMM kernel (moe_gemm.cuh) reads B as bf16 by TMA, or as e4m3 + blocked scales that the
-// producer dequantizes to bf16 in shared memory. No float atomics anywhere: bit-identical
-// output run after run.
+// The GEMM kernels are in moe_gemm.cuh: bf16 weights by TMA, or e4m3 weights + blocked scales
+// dequantized in registers (MXFP8; x and h are then stored K-permuted, see kperm). No float
+// atomics anywhere: bit-identical output run after run.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-
-#include <cstdlib>
-#include <cstring>
 
 #include "flash_moe.cuh"
 #include "moe_gemm.cuh"
@@ -23,7 +20,6 @@
 namespace flash_moe {
 namespace {
 
-using gemm::BSource;
 using gemm::GemmParams;
 using gemm::Kind;
 
@@ -143,23 +139,10 @@ Operand h_rows(const void* h, int64_t L, int64_t I) {
 }
 
 // ---------------------------------------------------------------- launches
-template <Kind kKind, BSource kB, int kStages, int kFp8Slots>
-cudaError_t launch_gemm(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, cudaStream_t stream) {
-  const int smem = gemm::SmemPlan<kStages, kFp8Slots>::kLaunchBytes;
-  auto kern = gemm::moe_gemm_kernel<kKind, kB, kStages, kFp8Slots>;
-  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
-  if (max_tiles == 0) return cudaSuccess;
-  const int grid = (int)(max_tiles < num_sms() ? max_tiles : num_sms());
-  kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, p);
-  return cudaGetLastError();
-}
-
-template <Kind kKind, int kStages>
-cudaError_t launch_gemm_rs(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, cudaStream_t stream) {
-  const int smem = gemm::RsPlan<kStages>::kLaunchBytes;
-  auto kern = gemm::moe_gemm_mxfp8_rs_kernel<kKind, kStages>;
+// One persistent launch: a CTA per SM (or per tile when there are fewer tiles).
+template <class Kernel>
+cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, const CUtensorMap& tmB,
+                              const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
@@ -170,12 +153,22 @@ cudaError_t launch_gemm_rs(const CUtensorMap& tmA, const CUtensorMap& tmB, const
 }
 
 // Both GEMMs of one op at one pipeline depth.
-template <BSource kB, int kStages, int kFp8Slots>
-cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
-                         const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
-  cudaError_t err = launch_gemm<Kind::kGateUp, kB, kStages, kFp8Slots>(tm_w, tm_w, p1, stream);
+template <int kStages>
+cudaError_t launch_bf16_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
+                              const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+  const int smem = gemm::SmemPlan<kStages>::kLaunchBytes;
+  cudaError_t err = launch_persistent(gemm::moe_gemm_bf16_kernel<Kind::kGateUp, kStages>, smem, tm_w, tm_w, p1, stream);
   if (err != cudaSuccess) return err;
-  return launch_gemm<Kind::kDown, kB, kStages, kFp8Slots>(tm_h, tm_w2, p2, stream);
+  return launch_persistent(gemm::moe_gemm_bf16_kernel<Kind::kDown, kStages>, smem, tm_h, tm_w2, p2, stream);
+}
+
+cudaError_t launch_mxfp8_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
+                               const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+  constexpr int kStages = kMxfp8Stages;
+  const int smem = gemm::Mxfp8Plan<kStages>::kLaunchBytes;
+  cudaError_t err = launch_persistent(gemm::moe_gemm_mxfp8_kernel<Kind::kGateUp, kStages>, smem, tm_w, tm_w, p1, stream);
+  if (err != cudaSuccess) return err;
+  return launch_persistent(gemm::moe_gemm_mxfp8_kernel<Kind::kDown, kStages>, smem, tm_h, tm_w2, p2, stream);
 }
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
@@ -278,28 +271,22 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
                 a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    err = a.stages == 4 ? launch_gemms<BSource::kBf16, 4, 0>(tm_w, tm_h, tm_w2, p1, p2, stream)
-                        : launch_gemms<BSource::kBf16, 3, 0>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    err = a.stages == 4 ? launch_bf16_gemms<4>(tm_w, tm_h, tm_w2, p1, p2, stream)
+                        : launch_bf16_gemms<3>(tm_w, tm_h, tm_w2, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);
 }
 
 cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
-  if (a.stages < kMxfp8StagesMin || a.stages > kMxfp8StagesMax) return cudaErrorInvalidValue;
+  if (a.stages != kMxfp8Stages || a.K % 64 != 0 || a.I % 64 != 0) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, true);
   cudaError_t err = cudaMemsetAsync(ws.inv, 0xFF, (size_t)a.M * a.top_k * 4, stream);
   if (err != cudaSuccess) return err;
-  // Temporary A/B switch for one measurement: "smem" = dequantize into shared memory (the
-  // committed path), anything else = weights dequantized in registers (K, I multiples of 64).
-  const char* path_env = getenv("FLASH_MOE_MXFP8_PATH");
-  const bool smem_path = path_env && strcmp(path_env, "smem") == 0;
-  const bool rs = !smem_path && a.K % 64 == 0 && a.I % 64 == 0;
   if (a.L > 0) {
     // x is read top_k times by the gather: dequantize it once (M*K*3 bytes, ~1% of the op).
-    err = rs ? dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream)
-             : dequantize_mxfp8(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream);
+    err = dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream);
     if (err != cudaSuccess) return err;
     CUtensorMap tm_w, tm_h, tm_w2;
     if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
@@ -315,13 +302,7 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)((a.I / kMxfp8ScaleBlock + 3) / 4);
     p2.scale_row_groups = (int)((a.E * a.K + 127) / 128);
-    if (rs) {
-      err = launch_gemm_rs<Kind::kGateUp, 6>(tm_w, tm_w, p1, stream);
-      if (err == cudaSuccess) err = launch_gemm_rs<Kind::kDown, 6>(tm_h, tm_w2, p2, stream);
-    } else {
-      err = a.stages == 3 ? launch_gemms<BSource::kMxfp8, 3, 4>(tm_w, tm_h, tm_w2, p1, p2, stream)
-                          : launch_gemms<BSource::kMxfp8, 2, 6>(tm_w, tm_h, tm_w2, p1, p2, stream);
-    }
+    err = launch_mxfp8_gemms(tm_w, tm_h, tm_w2, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);

@@ -1,16 +1,16 @@
-// The grouped GEMM both fused MoE ops run twice per call (Hopper, sm_90a), split by role:
+// The grouped GEMMs both fused MoE ops run twice per call (Hopper, sm_90a), split by role:
 //
 //   TileScheduler / KIter  which (m-block, n-block) tiles and k-blocks a CTA owns
-//   producers              A: gathered token rows (cp.async) or h rows (TMA);
-//                          B: bf16 weight boxes (TMA), or e4m3 weight boxes + their blocked
-//                          scales (TMA + bulk copy) dequantized to bf16 in shared memory
-//   consumer mainloop      two warpgroups, m64n128k16 bf16 wgmma, fp32 accumulators
+//   producers              token rows gathered from x (cp.async) or h rows (TMA); weights as
+//                          bf16 boxes (TMA) or e4m3 boxes + their blocked scales (TMA + bulk copy)
+//   consumers              two warpgroups, m64n128k16 bf16 wgmma, fp32 accumulators
 //   epilogues              SwiGLU (gate/up GEMM) or router weight (down GEMM), bf16 stores
 //
-// Tiles are 128 x 256 x 64: the gate/up GEMM computes 128 gate + 128 up columns (-> 128 h
-// columns), the down GEMM 256 output columns. One producer warpgroup and two consumer
-// warpgroups (64 rows each) share a kStages-deep ring of bf16 stages guarded by mbarriers;
-// the MXFP8 variant adds a kFp8Slots-deep ring of e4m3 boxes the producer fetches ahead.
+// bf16 (moe_gemm_bf16_kernel): tokens are the M side, 128 x 256 x 64 tiles (128 gate + 128 up
+// columns, or 256 output columns). MXFP8 (moe_gemm_mxfp8_kernel): the weights are the M side,
+// dequantized in registers into wgmma's register operand; tokens are the 128-column N side.
+// One producer warpgroup and two consumer warpgroups share a kStages-deep ring of shared-memory
+// stages guarded by mbarriers.
 #pragma once
 
 #include <cuda.h>
@@ -30,23 +30,16 @@ constexpr int kBK = 64;       // 64 bf16 = 128 bytes: one swizzle-128B row
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 
 enum class Kind { kGateUp, kDown };
-enum class BSource { kBf16, kMxfp8 };
 
-template <int kStages, int kFp8Slots>
+// bf16 path: a stage is the 128-row token tile and two 128-row weight boxes.
+template <int kStages>
 struct SmemPlan {
-  static constexpr int kABytes = kBM * kBK * 2;     // 16 KB bf16 A tile
-  static constexpr int kBBoxBytes = 128 * kBK * 2;  // 16 KB: one 128-row bf16 B box
+  static constexpr int kABytes = kBM * kBK * 2;     // 16 KB bf16 token tile
+  static constexpr int kBBoxBytes = 128 * kBK * 2;  // 16 KB: one 128-row bf16 weight box
   static constexpr int kStageBytes = kABytes + 2 * kBBoxBytes;
-  static constexpr int kFp8BoxBytes = 128 * kBK;    // 8 KB: one 128-row e4m3 box, 64-byte rows
-  static constexpr int kScaleChunk = 512;           // 128 rows x 4 scales of the blocked layout
-  // Per box: the scale chunks of the (at most two) 128-row groups the box overlaps.
-  static constexpr int kScaleBytes = 2 * 2 * kScaleChunk;
-  static constexpr int kFp8SlotBytes = 2 * kFp8BoxBytes + kScaleBytes;  // 18 KB
-  static constexpr int kFp8Offset = kStages * kStageBytes;
-  static constexpr int kBarOffset = kFp8Offset + kFp8Slots * kFp8SlotBytes;
-  static constexpr int kBytes = kBarOffset + (2 * kStages + kFp8Slots) * 8;
+  static constexpr int kBarOffset = kStages * kStageBytes;
+  static constexpr int kBytes = kBarOffset + 2 * kStages * 8;
   static constexpr int kLaunchBytes = kBytes + 1024;  // slack for the 1024-byte alignment
-  static_assert(kFp8SlotBytes % 1024 == 0, "e4m3 slots must keep the 512-byte swizzle alignment");
 };
 
 struct GemmParams {
@@ -65,8 +58,8 @@ struct GemmParams {
   int K;                         // reduction length
   int n_out;                     // valid output columns
   int num_n;                     // n-blocks per m-block
-  int b_second;                  // row offset of the second B box from the first
-  // kMxfp8 only: B scales in the blocked layout of the (E * b_rows, K/32) scale matrix.
+  int b_second;                  // row offset of the second weight box from the first
+  // MXFP8 only: weight scales in the blocked layout of the (E * b_rows, K/32) scale matrix.
   const uint8_t* b_scales;
   int b_rows;                    // rows of B per expert (2I for gate/up, Kd for down)
   int scale_col_groups;          // ceil((K/32) / 4): 512-byte chunks per 128-row group
@@ -163,26 +156,29 @@ struct GatherA {
   }
 };
 
-// ---------------------------------------------------------------- producer: e4m3 B operand
-// One e4m3 slot holds the two 128-row B boxes of a k-block (64-byte rows, TMA swizzle 64B) and
-// the blocked-layout scale chunks covering them (one 512-byte chunk per 128-row group the box
-// overlaps, two when the box does not start on a group boundary).
-template <Kind kKind, int kStages, int kFp8Slots>
-struct Mxfp8B {
-  using Plan = SmemPlan<kStages, kFp8Slots>;
+// ---------------------------------------------------------------- producer: e4m3 weights
+// The e4m3 part of a stage holds the two 128-row weight boxes of a k-block (64-byte rows, TMA
+// swizzle 64B) and the blocked-layout scale chunks covering them (one 512-byte chunk per
+// 128-row group a box overlaps, two when it does not start on a group boundary).
+template <Kind kKind>
+struct E4m3Weights {
+  static constexpr int kBoxBytes = 128 * kBK;  // 8 KB
+  static constexpr int kScaleChunk = 512;      // 128 rows x 4 scales of the blocked layout
+  static constexpr int kBytes = 2 * kBoxBytes + 2 * 2 * kScaleChunk;
 
   __device__ static void box_rows(const GemmParams& p, const Tile& t, int (&row0)[2]) {
     row0[0] = n_origin<kKind>(t);
     row0[1] = row0[0] + p.b_second;
   }
 
-  // Thread 0: TMA both boxes and bulk-copy their scale chunks into `slot`, completing on `bar`.
+  // One thread: TMA both boxes and bulk-copy their scale chunks into `slot` ([box 0][box 1]
+  // [scales]), completing on `bar`.
   __device__ static void fetch(const CUtensorMap& tmB, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
                                uint32_t bar, uint32_t extra_tx = 0) {
     int row0[2];
     box_rows(p, t, row0);
     const uint8_t* src[2][2];
-    uint32_t bytes = 2 * Plan::kFp8BoxBytes;
+    uint32_t bytes = 2 * kBoxBytes;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       const int64_t g0 = (int64_t)t.e * p.b_rows + row0[b];
@@ -190,104 +186,45 @@ struct Mxfp8B {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const bool need = (j == 0 || g0 % 128 != 0) && grp + j < p.scale_row_groups;
-        src[b][j] = need ? p.b_scales + ((grp + j) * p.scale_col_groups + kb / 2) * Plan::kScaleChunk : nullptr;
-        bytes += need ? Plan::kScaleChunk : 0;
+        src[b][j] = need ? p.b_scales + ((grp + j) * p.scale_col_groups + kb / 2) * kScaleChunk : nullptr;
+        bytes += need ? kScaleChunk : 0;
       }
     }
     mbar_arrive_expect_tx(bar, bytes + extra_tx);  // extra_tx: what the caller adds on `bar`
     tma_load_3d(slot, &tmB, kb * kBK, row0[0], t.e, bar);
-    tma_load_3d(slot + Plan::kFp8BoxBytes, &tmB, kb * kBK, row0[1], t.e, bar);
+    tma_load_3d(slot + kBoxBytes, &tmB, kb * kBK, row0[1], t.e, bar);
 #pragma unroll
     for (int b = 0; b < 2; ++b)
 #pragma unroll
       for (int j = 0; j < 2; ++j)
         if (src[b][j])
-          bulk_load(slot + 2 * Plan::kFp8BoxBytes + (b * 2 + j) * Plan::kScaleChunk, src[b][j], Plan::kScaleChunk,
+          bulk_load(slot + 2 * kBoxBytes + (b * 2 + j) * kScaleChunk, src[b][j], kScaleChunk,
                     bar);
   }
 
-  // The kConvThreads converting threads: thread r dequantizes rows r, r + kConvThreads, ...
-  // of the 256-row B tile (4 chunks of 16 e4m3 each, one scale per 2 chunks) into the bf16 B
-  // tile of the stage at `b_smem`, in the 128-byte swizzle wgmma reads. Every shared-memory
-  // load of the k-block is issued before the first conversion: under the consumers' wgmma
-  // operand traffic a shared load takes hundreds of cycles, so the thread pays one round trip
-  // per k-block, not one per row.
-  template <int kConvThreads>
-  __device__ static void convert(const GemmParams& p, const Tile& t, int kb, uint32_t slot, uint32_t b_smem,
-                                 int thread) {
-    constexpr int kRowsPerThread = 256 / kConvThreads;
-    uint4 q[kRowsPerThread][4];
-    uint32_t two[kRowsPerThread];
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int rr = thread + i * kConvThreads;
-      const int b = rr >> 7, r = rr & 127;
-      const int box_row0 = n_origin<kKind>(t) + (b ? p.b_second : 0);
-      const int64_t g0 = (int64_t)t.e * p.b_rows + box_row0;
-      const int64_t g = g0 + r;
-      const uint32_t sc = slot + 2 * Plan::kFp8BoxBytes + (b * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
-                          (uint32_t)((g % 32) * 16 + ((g % 128) / 32) * 4 + 2 * (kb & 1));
-      uint16_t s16;
-      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(s16) : "r"(sc));
-      two[i] = s16;
-      const uint32_t src = slot + b * Plan::kFp8BoxBytes + r * 64;
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(q[i][c].x), "=r"(q[i][c].y), "=r"(q[i][c].z), "=r"(q[i][c].w)
-                     : "r"(src + ((c ^ ((r >> 1) & 3)) << 4)));
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int rr = thread + i * kConvThreads;
-      const int b = rr >> 7, r = rr & 127;
-      const int row = n_origin<kKind>(t) + (b ? p.b_second : 0) + r;
-      const uint32_t dst = b_smem + b * Plan::kBBoxBytes + r * 128;
-      const bool live = row < p.b_rows;  // past this expert's rows: zeros (scales may be stale)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if (live) mx::dequant16(q[i][c], c < 2 ? (two[i] & 0xffu) : (two[i] >> 8), lo, hi);
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + (((2 * c) ^ (r & 7)) << 4)), "r"(lo.x),
-                     "r"(lo.y), "r"(lo.z), "r"(lo.w)
-                     : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(dst + (((2 * c + 1) ^ (r & 7)) << 4)), "r"(hi.x),
-                     "r"(hi.y), "r"(hi.z), "r"(hi.w)
-                     : "memory");
-      }
-    }
-  }
 };
 
 // ---------------------------------------------------------------- barriers
-template <int kStages, int kFp8Slots>
+template <int kStages>
 struct Barriers {
   uint32_t base;
   __device__ uint32_t full(int s) const { return base + 8 * s; }
   __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
-  __device__ uint32_t fp8_full(int f) const { return base + 8 * (2 * kStages + f); }
 };
 
-// Producer roles. bf16: all 128 threads gather A (gate/up) and thread 0 issues every TMA.
-// MXFP8: the same, and all 128 threads also dequantize B (one warp per SM sub-partition:
-// measured 1.7x faster than splitting gather and dequantization over separate warps), thread 0
-// fetching the e4m3 ring.
-constexpr int kMxfp8ConvThreads = 128;
-
-// Arrivals that complete a stage: gathered A = one cp.async arrival per gathering thread;
-// TMA'd A = one expect_tx arrive; bf16 B rides on an expect_tx arrive (gate/up) or on A's
-// (down); MXFP8 B = one arrive per converting thread.
-template <Kind kKind, BSource kB>
+// Arrivals that complete a stage: gathered tokens = one cp.async arrival per producer thread,
+// plus thread 0's expect_tx arrive for the weights; down GEMM = thread 0's expect_tx arrive
+// covering tokens and weights.
+template <Kind kKind>
 __host__ __device__ constexpr uint32_t full_arrivals() {
-  if (kB == BSource::kBf16) return kKind == Kind::kGateUp ? 128u + 1u : 1u;
-  return (kKind == Kind::kGateUp ? 128u : 1u) + (uint32_t)kMxfp8ConvThreads;
+  return kKind == Kind::kGateUp ? 128u + 1u : 1u;
 }
 
 // ---------------------------------------------------------------- producers
 template <Kind kKind, int kStages>
 __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
-                             const Barriers<kStages, 0>& bars, int nk) {
-  using Plan = SmemPlan<kStages, 0>;
+                             const Barriers<kStages>& bars, int nk) {
+  using Plan = SmemPlan<kStages>;
   const int t = threadIdx.x;
   if (kKind == Kind::kDown && t != 0) return;  // one thread issues every TMA
   TileScheduler sched(p);
@@ -309,44 +246,6 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
         tma_load_3d(b_s + Plan::kBBoxBytes, &tmB, kb * kBK, n0 + p.b_second, tile.e, bars.full(s));
       }
       if (kKind == Kind::kGateUp) gather.issue(p, kb, a_s, bars.full(s));
-    }
-  }
-  if (kKind == Kind::kGateUp) cp_async_wait_all();
-}
-
-template <Kind kKind, int kStages, int kFp8Slots>
-__device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
-                              const Barriers<kStages, kFp8Slots>& bars, int nk) {
-  using Plan = SmemPlan<kStages, kFp8Slots>;
-  using B = Mxfp8B<kKind, kStages, kFp8Slots>;
-  const int t = threadIdx.x;
-  const uint32_t fp8_base = sbase + Plan::kFp8Offset;
-  KIter cur(p);
-  KIter fetch = cur;  // thread 0 keeps the e4m3 ring kFp8Slots k-blocks ahead of the conversion
-  if (t == 0)
-    for (int f = 0; f < kFp8Slots && fetch.valid; ++f, fetch.advance(p, nk))
-      B::fetch(tmB, p, fetch.tile, fetch.kb, fp8_base + f * Plan::kFp8SlotBytes, bars.fp8_full(f));
-  GatherA<128> gather;
-  for (uint32_t it = 0; cur.valid; ++it, cur.advance(p, nk)) {
-    const int s = it % kStages, f = it % kFp8Slots;
-    const uint32_t a_s = sbase + s * Plan::kStageBytes;
-    const uint32_t slot = fp8_base + f * Plan::kFp8SlotBytes;
-    mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
-    if (kKind == Kind::kGateUp) {
-      if (cur.kb == 0) gather.begin_tile(p, cur.tile);
-      gather.issue(p, cur.kb, a_s, bars.full(s));
-    } else if (t == 0) {
-      mbar_arrive_expect_tx(bars.full(s), Plan::kABytes);
-      tma_load_2d(a_s, &tmA, cur.kb * kBK, cur.tile.m0, bars.full(s));
-    }
-    mbar_wait(bars.fp8_full(f), (it / kFp8Slots) & 1);
-    B::template convert<kMxfp8ConvThreads>(p, cur.tile, cur.kb, slot, a_s + Plan::kABytes, t);
-    fence_proxy_async();  // the bf16 writes must be visible to wgmma (async proxy) ...
-    mbar_arrive(bars.full(s));
-    named_barrier_sync(1, 128);  // ... and every thread is done reading the e4m3 slot
-    if (t == 0 && fetch.valid) {
-      B::fetch(tmB, p, fetch.tile, fetch.kb, slot, bars.fp8_full(f));
-      fetch.advance(p, nk);
     }
   }
   if (kKind == Kind::kGateUp) cp_async_wait_all();
@@ -401,9 +300,9 @@ __device__ __forceinline__ void store_weighted(const GemmParams& p, const Tile& 
 // Each consumer warpgroup owns 64 rows of the tile and two m64n128 accumulators (gate/up, or
 // the two 128-column halves of the down tile). A stage is released (empty barrier, one
 // arrive per warp) once the wgmmas of the next stage are issued and those of it retired.
-template <Kind kKind, int kStages, int kFp8Slots>
-__device__ void consume(const GemmParams& p, uint32_t sbase, const Barriers<kStages, kFp8Slots>& bars, int nk) {
-  using Plan = SmemPlan<kStages, kFp8Slots>;
+template <Kind kKind, int kStages>
+__device__ void consume_bf16(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, int nk) {
+  using Plan = SmemPlan<kStages>;
   const int cw = threadIdx.x / 128 - 1;
   const int w4 = (threadIdx.x / 32) & 3;
   const int lane = threadIdx.x & 31;
@@ -449,8 +348,8 @@ __device__ void consume(const GemmParams& p, uint32_t sbase, const Barriers<kSta
   }
 }
 
-// ---------------------------------------------------------------- MXFP8, weights in registers
-// The second MXFP8 path: the weights become the M-side operand (h^T = W x^T, Y^T = W2 h^T) so
+// ---------------------------------------------------------------- MXFP8: weights in registers
+// The weights are the M-side operand (h^T = W x^T, Y^T = W2 h^T) so
 // the consumer can dequantize them in registers and feed wgmma with A from registers, as
 // CUTLASS's mixed-input Hopper GEMM does; nothing is written back to shared memory. Tokens
 // (x as bf16, or h) are the B operand, as a 128-token x 64 tile in the 128-byte swizzle.
@@ -475,12 +374,13 @@ static_assert(physical(gate_up_row(37)) == pair_column(37) && physical(gate_up_r
               "gate/up rows must land on their pair columns");
 }  // namespace kperm
 
+// MXFP8 path: a stage is the 128-row bf16 token tile and the e4m3 weights of the k-block.
 template <int kStages>
-struct RsPlan {
+struct Mxfp8Plan {
   static constexpr int kTokBytes = kBM * kBK * 2;   // 16 KB bf16 token tile (B operand)
-  static constexpr int kFp8BoxBytes = 128 * kBK;    // 8 KB e4m3 box, 64-byte rows
-  static constexpr int kScaleChunk = 512;
-  static constexpr int kStageBytes = kTokBytes + 2 * kFp8BoxBytes + 2 * 2 * kScaleChunk;  // 34 KB
+  static constexpr int kFp8BoxBytes = E4m3Weights<Kind::kGateUp>::kBoxBytes;
+  static constexpr int kScaleChunk = E4m3Weights<Kind::kGateUp>::kScaleChunk;
+  static constexpr int kStageBytes = kTokBytes + E4m3Weights<Kind::kGateUp>::kBytes;  // 34 KB
   static constexpr int kWtOffset = kStages * kStageBytes;  // router weights of the tile, per WG
   static constexpr int kBarOffset = kWtOffset + 2 * kBM * 4;
   static constexpr int kBytes = kBarOffset + 2 * kStages * 8;
@@ -489,10 +389,10 @@ struct RsPlan {
 };
 
 template <Kind kKind, int kStages>
-__device__ void produce_rs(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
-                           const Barriers<kStages, 0>& bars, int nk) {
-  using Plan = RsPlan<kStages>;
-  using B = Mxfp8B<kKind, kStages, 0>;
+__device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
+                              const Barriers<kStages>& bars, int nk) {
+  using Plan = Mxfp8Plan<kStages>;
+  using B = E4m3Weights<kKind>;
   const int t = threadIdx.x;
   if (kKind == Kind::kDown && t != 0) return;  // one thread issues every copy
   TileScheduler sched(p);
@@ -519,14 +419,14 @@ __device__ void produce_rs(const CUtensorMap& tmA, const CUtensorMap& tmB, const
 // warpgroup's two m64 blocks. Gate/up: block 0 = gate, block 1 = up, both for the warpgroup's
 // 64 h features; down: the warpgroup's 128 output features as two blocks.
 template <Kind kKind>
-__device__ __forceinline__ int rs_tile_row(int cw, int block, int r) {
+__device__ __forceinline__ int mxfp8_tile_row(int cw, int block, int r) {
   if (kKind == Kind::kGateUp) return block * 128 + 64 * cw + kperm::gate_up_row(r);
   return cw * 128 + 64 * block + kperm::pair_column(r);
 }
 
 template <Kind kKind, int kStages>
-__device__ void consume_rs(const GemmParams& p, uint32_t sbase, const Barriers<kStages, 0>& bars, int nk) {
-  using Plan = RsPlan<kStages>;
+__device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, int nk) {
+  using Plan = Mxfp8Plan<kStages>;
   const int cw = threadIdx.x / 128 - 1;
   const int w4 = (threadIdx.x / 32) & 3;
   const int lane = threadIdx.x & 31;
@@ -549,7 +449,7 @@ __device__ void consume_rs(const GemmParams& p, uint32_t sbase, const Barriers<k
     for (int b = 0; b < 2; ++b)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = rs_tile_row<kKind>(cw, b, 16 * w4 + (lane >> 2) + 8 * h);
+        const int row = mxfp8_tile_row<kKind>(cw, b, 16 * w4 + (lane >> 2) + 8 * h);
         const int box = row >> 7, rib = row & 127;
         const int box_row0 = n0 + (box ? p.b_second : 0);
         const int64_t g0 = (int64_t)tile.e * p.b_rows + box_row0;
@@ -644,17 +544,17 @@ __device__ void consume_rs(const GemmParams& p, uint32_t sbase, const Barriers<k
 
 template <Kind kKind, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_gemm_mxfp8_rs_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                             const GemmParams p) {
-  using Plan = RsPlan<kStages>;
+    moe_gemm_mxfp8_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                          const GemmParams p) {
+  using Plan = Mxfp8Plan<kStages>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
-  const Barriers<kStages, 0> bars{sbase + Plan::kBarOffset};
+  const Barriers<kStages> bars{sbase + Plan::kBarOffset};
   const int nk = (p.K + kBK - 1) / kBK;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bars.full(s), full_arrivals<kKind, BSource::kBf16>());  // same arrivals as the bf16 path
+      mbar_init(bars.full(s), full_arrivals<kKind>());
       mbar_init(bars.empty(s), 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -662,53 +562,43 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    produce_rs<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
+    produce_mxfp8<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    consume_rs<kKind, kStages>(p, sbase, bars, nk);
+    consume_mxfp8<kKind, kStages>(p, sbase, bars, nk);
   }
 }
 
-// ---------------------------------------------------------------- kernel
-template <Kind kKind, BSource kB, int kStages, int kFp8Slots>
+// ---------------------------------------------------------------- bf16 kernel
+template <Kind kKind, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                    const GemmParams p) {
-  static_assert((kB == BSource::kMxfp8) == (kFp8Slots > 0), "e4m3 slots exist exactly for the MXFP8 B source");
-  using Plan = SmemPlan<kStages, kFp8Slots>;
+    moe_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                         const GemmParams p) {
+  using Plan = SmemPlan<kStages>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
-  const Barriers<kStages, kFp8Slots> bars{sbase + Plan::kBarOffset};
+  const Barriers<kStages> bars{sbase + Plan::kBarOffset};
   const int nk = (p.K + kBK - 1) / kBK;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bars.full(s), full_arrivals<kKind, kB>());
+      mbar_init(bars.full(s), full_arrivals<kKind>());
       mbar_init(bars.empty(s), 8);  // one arrive per consumer warp
     }
-    for (int f = 0; f < kFp8Slots; ++f) mbar_init(bars.fp8_full(f), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
   // Register rebalancing: the CTA holds 168 x 384 registers; what the producer gives up
-  // (168 - P) x 128 must cover what the consumers take (C - 168) x 256, or setmaxnreg.inc
-  // waits forever. bf16: P = 56, C = 224; MXFP8 (the producer also dequantizes): P = 104, C = 200.
+  // (168 - 56) x 128 covers what the consumers take (224 - 168) x 256 (if it did not,
+  // setmaxnreg.inc would wait forever).
   if (threadIdx.x < 128) {
-    if constexpr (kB == BSource::kBf16) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-      produce_bf16<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
-    } else {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 104;");
-      produce_mxfp8<kKind, kStages, kFp8Slots>(tmA, tmB, p, sbase, bars, nk);
-    }
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    produce_bf16<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
   } else {
-    if constexpr (kB == BSource::kBf16)
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    else
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 200;");
-    consume<kKind, kStages, kFp8Slots>(p, sbase, bars, nk);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    consume_bf16<kKind, kStages>(p, sbase, bars, nk);
   }
 }
 

@@ -213,10 +213,10 @@ CASES = [
     (3, 512, 256, 64, 2, 0.0, None, torch.float32),     # nearly every expert empty
     (512, 2048, 768, 256, 8, 0.0, None, torch.bfloat16),  # E = 256
     (96, 2048, 768, 8, 2, 0.0, None, torch.float32),
-    (96, 2880, 2880, 8, 2, 0.0, None, torch.bfloat16),  # K, I multiples of 32 but not of 64 / 128
+    (96, 2880, 2880, 8, 2, 0.0, None, torch.bfloat16),  # K, I multiples of 64 but not of 128
     (64, 4096, 1536, 32, 8, 0.0, None, torch.bfloat16),  # a real shape, small M
     (96, 7168, 2048, 8, 2, 0.1, None, torch.bfloat16),
-    (64, 160, 96, 4, 2, 0.0, None, torch.float32),      # K = 5 and I = 3 scale blocks
+    (64, 320, 192, 4, 2, 0.0, None, torch.float32),    # K = 5 and I = 3 k-blocks (odd), partial scale groups
 ]
 
 
@@ -364,6 +364,14 @@ def _bad(kernel, name, **over):
     torch.cuda.synchronize()
 
 
+def _zeros_with_k(K, M=64, I=128, E=4):
+    f8 = torch.float8_e4m3fn
+    return dict(x=torch.zeros(M, K, device="cuda").to(f8),
+                x_scales=_e8m0(torch.full((M, max(K // 32, 1)), 127, dtype=torch.uint8, device="cuda")),
+                w=torch.zeros(E, 2 * I, K, device="cuda").to(f8), w2=torch.zeros(E, K, I, device="cuda").to(f8),
+                out=torch.empty(M, K, dtype=torch.bfloat16, device="cuda"))
+
+
 def test_bad_inputs(kernel):
     d = _inputs(kernel, 64, 256, 128, 4, 2)
     xq, xs, wq, ws, w2q, w2s = d["q"]
@@ -381,13 +389,10 @@ def test_bad_inputs(kernel):
     _bad(kernel, "w", w=wq.to(torch.bfloat16))
     _bad(kernel, "w", w=wq.transpose(1, 2).contiguous().transpose(1, 2))  # (E, 2I, K) but not contiguous
     _bad(kernel, "w2", w2=w2q.to(torch.float8_e5m2))
-    # K = 48: a multiple of 8 (the bf16 op's rule) but not of 32
-    x48 = torch.zeros(64, 48, device="cuda").to(torch.float8_e4m3fn)
-    w48 = torch.zeros(4, 256, 48, device="cuda").to(torch.float8_e4m3fn)
-    w2_48 = torch.zeros(4, 48, 128, device="cuda").to(torch.float8_e4m3fn)
-    xs48 = _e8m0(torch.full((64, 1), 127, dtype=torch.uint8, device="cuda"))
-    out48 = torch.empty(64, 48, dtype=torch.bfloat16, device="cuda")
-    _bad(kernel, "x", x=x48, x_scales=xs48, w=w48, w2=w2_48, out=out48)
+    # K = 48: a multiple of 8 (the bf16 op's rule) but not of 32; K = 160: of 32 (the scale
+    # block) but not of 64 (the kernel's K block)
+    for K in (48, 160):
+        _bad(kernel, "x", **_zeros_with_k(K))
     # I = 40: a multiple of 8 but not of 32
     _bad(kernel, "(I|w)", w=torch.zeros(4, 80, 256, device="cuda").to(torch.float8_e4m3fn),
          w2=torch.zeros(4, 256, 40, device="cuda").to(torch.float8_e4m3fn))

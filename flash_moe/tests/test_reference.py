@@ -149,10 +149,12 @@ def test_unsupported_shape_reason(pkg):
                         (2880, 2880)]:
         assert pkg.unsupported_shape_reason(dim, hidden) is None
         assert pkg.unsupported_shape_reason(dim, hidden, split=False) is None
-        assert pkg.unsupported_shape_reason(dim, hidden, mxfp8=True) is None  # all multiples of 32
+        assert pkg.unsupported_shape_reason(dim, hidden, mxfp8=True) is None  # all multiples of 64
     assert "multiple of 8" in pkg.unsupported_shape_reason(2050, 768)
     assert "hidden_dim" in pkg.unsupported_shape_reason(2048, 770)
-    assert "multiple of 32" in pkg.unsupported_shape_reason(2056, 768, mxfp8=True)
+    assert "multiple of 64" in pkg.unsupported_shape_reason(2056, 768, mxfp8=True)
+    assert "multiple of 64" in pkg.unsupported_shape_reason(2080, 768, mxfp8=True)  # 32 | 2080, 64 does not
+    assert "hidden_dim" in pkg.unsupported_shape_reason(2048, 800, mxfp8=True)
     assert "hidden_dim" in pkg.unsupported_shape_reason(2048, 776, mxfp8=True)
     assert pkg.unsupported_shape_reason(2056, 776) is None  # bf16: multiples of 8 suffice
     assert pkg.BLOCK_M == 128 and pkg.MXFP8_SCALE_BLOCK == 32

@@ -265,16 +265,17 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
                      int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                      int64_t cpc, bool split) {
   const char* op = "fused_moe_mxfp8";
-  FM_CHECK(stages >= flash_moe::kMxfp8StagesMin && stages <= flash_moe::kMxfp8StagesMax, op,
-           ": stages must be in [", flash_moe::kMxfp8StagesMin, ", ", flash_moe::kMxfp8StagesMax, "], got ", stages);
+  FM_CHECK(stages == flash_moe::kMxfp8Stages, op, ": stages must be ", flash_moe::kMxfp8Stages,
+           " (the only pipeline depth the MXFP8 kernel is built for), got ", stages);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
   check_dtype(x, at::kFloat8_e4m3fn, op, "x");
   check_dtype(w, at::kFloat8_e4m3fn, op, "w");
   check_dtype(w2, at::kFloat8_e4m3fn, op, "w2");
-  const int64_t blk = flash_moe::kMxfp8ScaleBlock;
-  FM_CHECK(d.K % blk == 0, op, ": x.size(1) (K) must be a multiple of 32 (the MXFP8 scale block), got ", d.K);
-  FM_CHECK(d.I % blk == 0, op, ": I = w.size(1)/2 must be a multiple of 32 (the MXFP8 scale block), got ", d.I);
+  const int64_t blk = flash_moe::kMxfp8ScaleBlock, kblk = flash_moe::kMxfp8KBlock;
+  FM_CHECK(d.K % kblk == 0, op, ": x.size(1) (K) must be a multiple of 64 (the MXFP8 kernel's K block), got ", d.K);
+  FM_CHECK(d.I % kblk == 0, op, ": I = w.size(1)/2 must be a multiple of 64 (the MXFP8 kernel's K block), got ",
+           d.I);
   FM_CHECK(x_scales.dim() == 2 && x_scales.size(0) == d.M && x_scales.size(1) == d.K / blk, op,
            ": x_scales must have shape (M, K/32) = (", d.M, ", ", d.K / blk, "), row-major, got ", x_scales.sizes());
   check_scales(x_scales, x, d.M * (d.K / blk), op, "x_scales", "row-major (M, K/32)");

@@ -27,7 +27,8 @@ BLOCK_M = 128
 BLOCK_N = 128  # h columns per gate/up tile (the only value the kernel implements)
 WARP_N = 128  # n of one wgmma issued by a consumer warpgroup (the only value implemented)
 STAGES = 4  # shared-memory pipeline depth (3 or 4 accepted)
-STAGES_MXFP8 = 3  # bf16 stages of the MXFP8 kernel (2 or 3; each with its own e4m3 ring)
+STAGES_MXFP8 = 6  # shared-memory stages of the MXFP8 kernel (the only value implemented)
+MXFP8_K_BLOCK = 64  # fused_moe_mxfp8 needs dim and hidden_dim to be multiples of this
 MXFP8_SCALE_BLOCK = 32
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
@@ -61,10 +62,10 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
         return f"dim must be a multiple of 8 (16-byte rows for TMA and the gather), got {dim}"
     if hidden_dim % 8 != 0:
         return f"hidden_dim must be a multiple of 8 (16-byte rows for TMA), got {hidden_dim}"
-    if mxfp8 and dim % MXFP8_SCALE_BLOCK != 0:
-        return f"dim must be a multiple of {MXFP8_SCALE_BLOCK} (the MXFP8 scale block), got {dim}"
-    if mxfp8 and hidden_dim % MXFP8_SCALE_BLOCK != 0:
-        return f"hidden_dim must be a multiple of {MXFP8_SCALE_BLOCK} (the MXFP8 scale block), got {hidden_dim}"
+    if mxfp8 and dim % MXFP8_K_BLOCK != 0:
+        return f"dim must be a multiple of {MXFP8_K_BLOCK} for fused_moe_mxfp8 (its K block), got {dim}"
+    if mxfp8 and hidden_dim % MXFP8_K_BLOCK != 0:
+        return f"hidden_dim must be a multiple of {MXFP8_K_BLOCK} for fused_moe_mxfp8 (its K block), got {hidden_dim}"
     return None
 
 
@@ -170,17 +171,18 @@ def fused_moe_mxfp8(
         w: (E, 2I, K) float8_e4m3fn, cat([gate, up], dim=1); w_scales: the flat blocked layout
             of its (E*2I, K/32) scales, i.e. `quantize_mxfp8(w, blocked=True)[1]`.
         w2: (E, K, I) float8_e4m3fn; w2_scales: blocked layout of its (E*K, I/32) scales.
-        K and I multiples of 32. Routing buffers, topk_weights, out, top_k, split: as in
-            `fused_moe_bf16`. stages: 2 or 3 bf16 stages (with 6 or 4 e4m3 slots).
+        K and I multiples of 64 (`unsupported_shape_reason(K, I, mxfp8=True)` says so).
+            Routing buffers, topk_weights, out, top_k, split: as in `fused_moe_bf16`.
+            stages: 6 (the only depth implemented).
 
     Semantics (exact MX): every product (q_a 2^sa)(q_b 2^sb) is exact and sums are fp32. The
-    kernel dequantizes x and the weight tiles to bf16 in the pipeline, which is exact for every
-    scale byte in [3, 246] (bf16 has fp32's exponent range and 8 significant bits, e4m3 has 4);
-    outside that range values are rounded as bf16 would. A scale byte of 255 (the e8m0 NaN)
-    makes its block NaN, so NaN reaches exactly the rows that use it. The SwiGLU output h
-    stays bf16 (not requantized: the down GEMM runs on bf16 tensor cores either way), each
-    slot's weighted row is rounded to bf16, the top-k sum is fp32 in ascending k. Deterministic
-    and CUDA-graph capturable.
+    kernel dequantizes x once and the weights in registers to bf16 for bf16 wgmma, which is
+    exact for every scale byte in [3, 246] (bf16 has fp32's exponent range and 8 significant
+    bits, e4m3 has 4); outside that range values are rounded as bf16 would. A scale byte of
+    255 (the e8m0 NaN) makes its block NaN, so NaN reaches exactly the rows that use it. The
+    SwiGLU output h stays bf16 (not requantized: the down GEMM runs on bf16 tensor cores either
+    way), each slot's weighted row is rounded to bf16, the top-k sum is fp32 in ascending k.
+    Deterministic and CUDA-graph capturable.
     """
     ops.fused_moe_mxfp8(
         x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
