@@ -1,6 +1,6 @@
 // The grouped GEMMs both fused MoE ops run twice per call (Hopper, sm_90a), split by role:
 //
-//   TileScheduler / KIter  which (m-block, n-block) tiles and k-blocks a CTA owns
+//   TileScheduler          which (m-block, n-block) tiles a CTA owns
 //   producers              token rows gathered from x (cp.async) or h rows (TMA); weights as
 //                          bf16 boxes (TMA) or e4m3 boxes + their blocked scales (TMA + bulk copy)
 //   consumers              two warpgroups, m64n128k16 bf16 wgmma, fp32 accumulators
@@ -92,20 +92,6 @@ struct TileScheduler {
       }
     }
     return false;
-  }
-};
-
-// The (tile, k-block) sequence of a CTA as one cursor (for producers that run ahead).
-struct KIter {
-  TileScheduler sched;
-  Tile tile;
-  int kb = 0;
-  bool valid;
-  __device__ KIter(const GemmParams& p) : sched(p) { valid = sched.next_tile(p, tile); }
-  __device__ void advance(const GemmParams& p, int nk) {
-    if (++kb < nk) return;
-    kb = 0;
-    valid = sched.next_tile(p, tile);
   }
 };
 

@@ -1,5 +1,5 @@
-// Hopper (sm_90a) PTX primitives used by the flash_moe GEMMs: mbarriers, TMA and bulk copies,
-// cp.async, proxy fences, and wgmma with its shared-memory descriptors. Thin wrappers only:
+// Hopper (sm_90a) PTX primitives used by the flash_moe GEMMs: mbarriers, named barriers, TMA
+// and bulk copies, cp.async, and wgmma with its shared-memory descriptors. Thin wrappers only:
 // no policy lives here.
 #pragma once
 
@@ -79,9 +79,6 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
-// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones
-// (wgmma reads, TMA writes).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // ---------------------------------------------------------------- wgmma
 // Descriptor of a K-major operand tile in the 128-byte swizzle: 8-row core groups 1024 bytes apart.
