@@ -356,8 +356,14 @@ __host__ __device__ constexpr int pair_column(int r) { return 16 * (r >> 4) + 2 
 __host__ __device__ constexpr int gate_up_row(int r) {  // logical h feature whose physical column is pair_column(r)
   return 16 * (r & 3) + 4 * (r >> 4) + 2 * ((r >> 2) & 1) + ((r >> 3) & 1);
 }
-static_assert(physical(gate_up_row(37)) == pair_column(37) && physical(gate_up_row(6)) == pair_column(6),
-              "gate/up rows must land on their pair columns");
+__host__ __device__ constexpr bool maps_consistent() {  // also replayed on the CPU: test_mxfp8_fragment_maps.py
+  for (int r = 0; r < 64; ++r) {
+    if (physical(gate_up_row(r)) != pair_column(r)) return false;  // gate/up rows land on their pair columns
+    if ((r & 8) && pair_column(r) != pair_column(r - 8) + 1) return false;  // rows r, r+8 -> one bf16x2
+  }
+  return true;
+}
+static_assert(maps_consistent(), "kperm maps");
 }  // namespace kperm
 
 // MXFP8 path: a stage is the 128-row bf16 token tile and the e4m3 weights of the k-block.
