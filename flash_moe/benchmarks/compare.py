@@ -137,11 +137,23 @@ def profile_kernels(fn):
         print(f"    kernel {t:8.4f} ms  {name}")
 
 
+def moe_row(rows, op, impl, si, ms, err, **extra):
+    """Record and print one MoE row (DESIGN §9 schema) of shape SHAPES[si]."""
+    T, K, I, E, top_k = SHAPES[si]
+    flops = 6 * T * top_k * K * I
+    r = {"op": op, "impl": impl, "shape": {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k},
+         "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 6)}
+    r.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in extra.items()})
+    rows.append(r)
+    floor = f" (quantization floor {extra['quant_floor_rel_err']:.2e})" if "quant_floor_rel_err" in extra else ""
+    print(f"{SHAPES[si]} {op} {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) rel_err {err:.2e}{floor}",
+          flush=True)
+
+
 def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
     """fused_moe_mxfp8 and its two dequantize-first peers on one shape (inputs quantized from the bf16
     originals `w`, `w2`, `sets`; `rel` measures against the fp32 truth of those originals)."""
     T, K, I, E, top_k = SHAPES[si]
-    shape = {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k}
     flops = 6 * T * top_k * K * I
     wq, ws = kernel.quantize_mxfp8(w, blocked=True)
     w2q, w2s = kernel.quantize_mxfp8(w2, blocked=True)
@@ -160,13 +172,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
     torch.cuda.empty_cache()
 
     def row(impl, ms, err, **extra):
-        r = {"op": "fused_moe_mxfp8", "impl": impl, "shape": shape, "ms": round(ms, 4),
-             "tflops": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 6),
-             "quant_floor_rel_err": round(floor, 6)}
-        r.update(extra)
-        rows.append(r)
-        print(f"{SHAPES[si]} mxfp8 {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) rel_err {err:.2e} "
-              f"(quantization floor {floor:.2e})", flush=True)
+        moe_row(rows, "fused_moe_mxfp8", impl, si, ms, err, quant_floor_rel_err=floor, **extra)
 
     def ours(i):
         (xq, xs), ids, wt = qsets[i % n_sets]
@@ -347,7 +353,6 @@ def main():
     rows = []
     for si in [int(s) for s in args.shapes.split(",")]:
         T, K, I, E, top_k = SHAPES[si]
-        shape = {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k}
         flops = 6 * T * top_k * K * I
         g = torch.Generator(device="cuda").manual_seed(si)
         w = (torch.randn(E, 2 * I, K, generator=g, device="cuda", dtype=torch.bfloat16) / K ** 0.5)
@@ -393,10 +398,8 @@ def main():
         print(f"{SHAPES[si]} op alone with stages=3: {ms_op3:.3f} ms", flush=True)
         if args.profile:
             profile_kernels(ours)
-        rows.append({"op": "fused_moe_bf16", "impl": "prime-kernels", "shape": shape, "ms": round(ms, 4),
-                     "tflops": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 6)})
-        print(f"{SHAPES[si]} prime-kernels {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s; op alone {ms_op:.3f} ms "
-              f"{flops / ms_op / 1e9:.0f} TFLOP/s) rel_err {err:.2e}", flush=True)
+        print(f"{SHAPES[si]} op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
+        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err)
 
         try:
             wg = w[:, :I].transpose(1, 2)
@@ -408,11 +411,7 @@ def main():
                 return unfused(x, wg, wu, w2t, ids, wt, E)
 
             err_u = rel(peer(0))
-            ms_u = time_ms(peer, args.iters)
-            rows.append({"op": "fused_moe_bf16", "impl": "grouped_mm", "shape": shape, "ms": round(ms_u, 4),
-                         "tflops": round(flops / ms_u / 1e9, 1), "rel_err_vs_fp32": round(err_u, 6)})
-            print(f"{SHAPES[si]} grouped_mm {ms_u:.3f} ms ({flops / ms_u / 1e9:.0f} TFLOP/s) rel_err {err_u:.2e}",
-                  flush=True)
+            moe_row(rows, "fused_moe_bf16", "grouped_mm", si, time_ms(peer, args.iters), err_u)
         except Exception as e:  # noqa: BLE001
             print(f"grouped_mm failed on {SHAPES[si]}: {e}")
 
@@ -424,11 +423,7 @@ def main():
                         return liger.apply(x, w, w2, ids, wt.to(torch.bfloat16))
 
                 err_l = rel(lig(0))
-                ms_l = time_ms(lig, args.iters)
-                rows.append({"op": "fused_moe_bf16", "impl": "liger", "shape": shape, "ms": round(ms_l, 4),
-                             "tflops": round(flops / ms_l / 1e9, 1), "rel_err_vs_fp32": round(err_l, 6)})
-                print(f"{SHAPES[si]} liger {ms_l:.3f} ms ({flops / ms_l / 1e9:.0f} TFLOP/s) rel_err {err_l:.2e}",
-                      flush=True)
+                moe_row(rows, "fused_moe_bf16", "liger", si, time_ms(lig, args.iters), err_l)
             except Exception as e:  # noqa: BLE001
                 print(f"liger failed on {SHAPES[si]}: {e}")
         del aligned

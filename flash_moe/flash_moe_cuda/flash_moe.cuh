@@ -26,6 +26,17 @@ constexpr int kMxfp8KBlock = 64;
 constexpr int kMaxExperts = 512;
 constexpr int kMaxTopK = 16;
 
+// SMs of the current device (persistent grids are sized by it); read once per process.
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
+    return v > 0 ? v : 132;
+  }();
+  return n;
+}
+
 // ---------------------------------------------------------------- moe_align
 // Workspace (int32 elements) moe_align needs for n_slots = M*top_k flat slots.
 int64_t moe_align_workspace_ints(int64_t n_slots, int num_experts);

@@ -72,15 +72,6 @@ __global__ void reduce_kernel(const __nv_bfloat16* __restrict__ Y, const int32_t
   }
 }
 
-int num_sms() {
-  static int n = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v > 0 ? v : 132;
-  }();
-  return n;
-}
 
 // ---------------------------------------------------------------- tensor maps
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -147,28 +138,19 @@ cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, con
   if (err != cudaSuccess) return err;
   const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
   if (max_tiles == 0) return cudaSuccess;
-  const int grid = (int)(max_tiles < num_sms() ? max_tiles : num_sms());
+  const int grid = (int)(max_tiles < sm_count() ? max_tiles : sm_count());
   kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, p);
   return cudaGetLastError();
 }
 
 // Both GEMMs of one op at one pipeline depth.
-template <int kStages>
-cudaError_t launch_bf16_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
+template <gemm::Weights kW, int kStages>
+cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
                               const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
-  const int smem = gemm::SmemPlan<kStages>::kLaunchBytes;
-  cudaError_t err = launch_persistent(gemm::moe_gemm_bf16_kernel<Kind::kGateUp, kStages>, smem, tm_w, tm_w, p1, stream);
+  const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
+  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages>, smem, tm_w, tm_w, p1, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_bf16_kernel<Kind::kDown, kStages>, smem, tm_h, tm_w2, p2, stream);
-}
-
-cudaError_t launch_mxfp8_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
-                               const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
-  constexpr int kStages = kMxfp8Stages;
-  const int smem = gemm::Mxfp8Plan<kStages>::kLaunchBytes;
-  cudaError_t err = launch_persistent(gemm::moe_gemm_mxfp8_kernel<Kind::kGateUp, kStages>, smem, tm_w, tm_w, p1, stream);
-  if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_mxfp8_kernel<Kind::kDown, kStages>, smem, tm_h, tm_w2, p2, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages>, smem, tm_h, tm_w2, p2, stream);
 }
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
@@ -233,7 +215,7 @@ cudaError_t topk_sum(const int32_t* sorted_ids, const int32_t* expert_ids, const
   if (L > 0) {
     const int ib = 256;
     int ig = (int)((L + ib - 1) / ib);
-    if (ig > 4 * num_sms()) ig = 4 * num_sms();
+    if (ig > 4 * sm_count()) ig = 4 * sm_count();
     inverse_kernel<<<ig, ib, 0, stream>>>(sorted_ids, expert_ids, ntpp, (int)L, n_slots, (int)E, ws.inv);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
@@ -241,7 +223,7 @@ cudaError_t topk_sum(const int32_t* sorted_ids, const int32_t* expert_ids, const
   const int64_t work = M * (K / 8);
   const int rb = 256;
   int64_t rg = (work + rb - 1) / rb;
-  if (rg > 16 * num_sms()) rg = 16 * num_sms();
+  if (rg > 16 * sm_count()) rg = 16 * sm_count();
   reduce_kernel<<<(int)rg, rb, 0, stream>>>(ws.Y, ws.inv, static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
   return cudaGetLastError();
 }
@@ -271,8 +253,8 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
                 a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    err = a.stages == 4 ? launch_bf16_gemms<4>(tm_w, tm_h, tm_w2, p1, p2, stream)
-                        : launch_bf16_gemms<3>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    err = a.stages == 4 ? launch_gemms<gemm::Weights::kBf16, 4>(tm_w, tm_h, tm_w2, p1, p2, stream)
+                        : launch_gemms<gemm::Weights::kBf16, 3>(tm_w, tm_h, tm_w2, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);
@@ -302,7 +284,7 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)((a.I / kMxfp8ScaleBlock + 3) / 4);
     p2.scale_row_groups = (int)((a.E * a.K + 127) / 128);
-    err = launch_mxfp8_gemms(tm_w, tm_h, tm_w2, p1, p2, stream);
+    err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);

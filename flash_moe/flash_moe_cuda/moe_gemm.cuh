@@ -6,8 +6,8 @@
 //   consumers              two warpgroups, m64n128k16 bf16 wgmma, fp32 accumulators
 //   epilogues              SwiGLU (gate/up GEMM) or router weight (down GEMM), bf16 stores
 //
-// bf16 (moe_gemm_bf16_kernel): tokens are the M side, 128 x 256 x 64 tiles (128 gate + 128 up
-// columns, or 256 output columns). MXFP8 (moe_gemm_mxfp8_kernel): the weights are the M side,
+// bf16 (moe_gemm_kernel<Weights::kBf16>): tokens are the M side, 128 x 256 x 64 tiles (128 gate + 128 up
+// columns, or 256 output columns). MXFP8 (Weights::kMxfp8): the weights are the M side,
 // dequantized in registers into wgmma's register operand; tokens are the 128-column N side.
 // One producer warpgroup and two consumer warpgroups share a kStages-deep ring of shared-memory
 // stages guarded by mbarriers.
@@ -15,6 +15,8 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "flash_moe.cuh"
 #include "mxfp8.cuh"
@@ -534,39 +536,17 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
   }
 }
 
-template <Kind kKind, int kStages>
-__global__ void __launch_bounds__(kThreads, 1)
-    moe_gemm_mxfp8_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                          const GemmParams p) {
-  using Plan = Mxfp8Plan<kStages>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t sbase = smem_u32(smem);
-  const Barriers<kStages> bars{sbase + Plan::kBarOffset};
-  const int nk = (p.K + kBK - 1) / kBK;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(bars.full(s), full_arrivals<kKind>());
-      mbar_init(bars.empty(s), 8);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (threadIdx.x < 128) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    produce_mxfp8<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    consume_mxfp8<kKind, kStages>(p, sbase, bars, nk);
-  }
-}
+// ---------------------------------------------------------------- kernel
+enum class Weights { kBf16, kMxfp8 };
 
-// ---------------------------------------------------------------- bf16 kernel
-template <Kind kKind, int kStages>
+template <Weights kW, int kStages>
+using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mxfp8Plan<kStages>>;
+
+template <Weights kW, Kind kKind, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_gemm_bf16_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                         const GemmParams p) {
-  using Plan = SmemPlan<kStages>;
+    moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                    const GemmParams p) {
+  using Plan = StagePlan<kW, kStages>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
@@ -587,10 +567,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   // setmaxnreg.inc would wait forever).
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    produce_bf16<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
+    if constexpr (kW == Weights::kBf16)
+      produce_bf16<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
+    else
+      produce_mxfp8<kKind, kStages>(tmA, tmB, p, sbase, bars, nk);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    consume_bf16<kKind, kStages>(p, sbase, bars, nk);
+    if constexpr (kW == Weights::kBf16)
+      consume_bf16<kKind, kStages>(p, sbase, bars, nk);
+    else
+      consume_mxfp8<kKind, kStages>(p, sbase, bars, nk);
   }
 }
 

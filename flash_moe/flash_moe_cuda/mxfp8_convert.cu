@@ -38,6 +38,13 @@ __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
   }
 }
 
+int grid_for(int64_t chunks) {
+  const int64_t want = (chunks + kThreadsPerCta - 1) / kThreadsPerCta;
+  const int64_t cap = (int64_t)sm_count() * 16;  // enough CTAs to keep every SM's load queue full
+  return (int)(want < cap ? want : cap);
+}
+
+
 // A thread owns 16 consecutive elements (half a scale block: the 2 threads of a block are
 // adjacent lanes and exchange amax with one shuffle) and stores 16 e4m3 bytes at once. A CTA
 // step covers kUnroll x 256 such units, every load of a step issued before the first use. The
@@ -91,32 +98,14 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
   }
 }
 
-// One thread per 16 elements (half a scale block).
+// One thread per 16 elements (half a scale block). kK64Permuted: every 64-wide K block is
+// written K-permuted for the MXFP8 GEMM's register-operand path (moe_gemm.cuh, kperm):
+// logical 16c + 4s + j -> physical 16s + 8(j >> 1) + 2c + (j & 1); a thread's 16 elements are
+// one c of one block.
+template <bool kK64Permuted>
 __global__ void __launch_bounds__(kThreadsPerCta) dequantize_kernel(const uint8_t* __restrict__ vals,
                                                                      const uint8_t* __restrict__ scales, int64_t R,
                                                                      int K, __nv_bfloat16* __restrict__ out) {
-  const int chunks_per_row = K / 16;
-  const int S = K / kMxfp8ScaleBlock;
-  const int64_t total = R * chunks_per_row;
-  for (int64_t i = (int64_t)blockIdx.x * kThreadsPerCta + threadIdx.x; i < total;
-       i += (int64_t)gridDim.x * kThreadsPerCta) {
-    const int64_t r = i / chunks_per_row;
-    const int s = (int)(i - r * chunks_per_row) / 2;
-    const uint4 q = *reinterpret_cast<const uint4*>(vals + i * 16);
-    uint4 lo, hi;
-    mx::dequant16(q, scales[r * S + s], lo, hi);
-    reinterpret_cast<uint4*>(out + i * 16)[0] = lo;
-    reinterpret_cast<uint4*>(out + i * 16)[1] = hi;
-  }
-}
-
-// As dequantize_kernel, but every 64-wide K block is written K-permuted for the MXFP8 GEMM's
-// register-operand path (moe_gemm.cuh, kperm): logical 16c + 4s + j -> physical
-// 16s + 8(j >> 1) + 2c + (j & 1). A thread's 16 elements are one c of one block.
-__global__ void __launch_bounds__(kThreadsPerCta) dequantize_k64_permuted_kernel(const uint8_t* __restrict__ vals,
-                                                                                  const uint8_t* __restrict__ scales,
-                                                                                  int64_t R, int K,
-                                                                                  __nv_bfloat16* __restrict__ out) {
   const int chunks_per_row = K / 16;
   const int S = K / kMxfp8ScaleBlock;
   const int64_t total = R * chunks_per_row;
@@ -127,27 +116,31 @@ __global__ void __launch_bounds__(kThreadsPerCta) dequantize_k64_permuted_kernel
     const uint4 v = *reinterpret_cast<const uint4*>(vals + i * 16);
     uint4 lo, hi;
     mx::dequant16(v, scales[r * S + q / 2], lo, hi);
-    const uint32_t o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // pairs (2k, 2k+1)
-    __nv_bfloat16* block = out + r * K + (q / 4) * 64;
-    const int c = q % 4;
+    if constexpr (!kK64Permuted) {
+      reinterpret_cast<uint4*>(out + i * 16)[0] = lo;
+      reinterpret_cast<uint4*>(out + i * 16)[1] = hi;
+    } else {
+      const uint32_t o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // pairs (2k, 2k+1)
+      __nv_bfloat16* block = out + r * K + (q / 4) * 64;
+      const int c = q % 4;
 #pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      *reinterpret_cast<uint32_t*>(block + 16 * st + 2 * c) = o[2 * st];          // logical 4st, 4st+1
-      *reinterpret_cast<uint32_t*>(block + 16 * st + 8 + 2 * c) = o[2 * st + 1];  // logical 4st+2, 4st+3
+      for (int st = 0; st < 4; ++st) {
+        *reinterpret_cast<uint32_t*>(block + 16 * st + 2 * c) = o[2 * st];          // logical 4st, 4st+1
+        *reinterpret_cast<uint32_t*>(block + 16 * st + 8 + 2 * c) = o[2 * st + 1];  // logical 4st+2, 4st+3
+      }
     }
   }
 }
 
-int grid_for(int64_t chunks) {
-  static int sms = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev);
-    return v > 0 ? v : 132;
-  }();
-  const int64_t want = (chunks + kThreadsPerCta - 1) / kThreadsPerCta;
-  const int64_t cap = (int64_t)sms * 16;  // enough CTAs to keep every SM's load queue full
-  return (int)(want < cap ? want : cap);
+template <bool kK64Permuted>
+cudaError_t launch_dequantize(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
+                              cudaStream_t stream) {
+  if (K % (kK64Permuted ? 64 : kMxfp8ScaleBlock) != 0 || K <= 0) return cudaErrorInvalidValue;
+  const int64_t chunks = R * (K / 16);
+  if (chunks == 0) return cudaSuccess;
+  dequantize_kernel<kK64Permuted><<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(
+      vals, scales, R, (int)K, static_cast<__nv_bfloat16*>(out));
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -174,22 +167,12 @@ cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K
 
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                              cudaStream_t stream) {
-  if (K % kMxfp8ScaleBlock != 0 || K <= 0) return cudaErrorInvalidValue;
-  const int64_t chunks = R * (K / 16);
-  if (chunks == 0) return cudaSuccess;
-  dequantize_kernel<<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(vals, scales, R, (int)K,
-                                                                     static_cast<__nv_bfloat16*>(out));
-  return cudaGetLastError();
+  return launch_dequantize<false>(vals, scales, R, K, out, stream);
 }
 
 cudaError_t dequantize_mxfp8_k64_permuted(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                                          cudaStream_t stream) {
-  if (K % 64 != 0 || K <= 0) return cudaErrorInvalidValue;
-  const int64_t chunks = R * (K / 16);
-  if (chunks == 0) return cudaSuccess;
-  dequantize_k64_permuted_kernel<<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(vals, scales, R, (int)K,
-                                                                                  static_cast<__nv_bfloat16*>(out));
-  return cudaGetLastError();
+  return launch_dequantize<true>(vals, scales, R, K, out, stream);
 }
 
 }  // namespace flash_moe
