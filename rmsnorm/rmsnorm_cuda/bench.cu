@@ -52,9 +52,6 @@ static double median_ms(F&& f, int sets, int reps = 30, int warm = 5) {
   return t[t.size() / 2];
 }
 
-static bool same(const LaunchConfig& a, const LaunchConfig& b) {
-  return a.vpt == b.vpt && a.tpr == b.tpr && a.rpb == b.rpb && a.smem_acc == b.smem_acc;
-}
 
 static std::string label(const LaunchConfig& c, const LaunchConfig& rule, const char* extra = "") {
   char s[64];
@@ -172,20 +169,8 @@ int main(int argc, char** argv) {
                      100 * gbps / ceil_gbps, spread);
     };
     // ---- forward variants
-    std::vector<LaunchConfig> fv;
-    auto add_fwd = [&](const LaunchConfig& c) {
-      for (auto& o : fv)
-        if (same(o, c)) return;
-      fv.push_back(c);
-    };
-    for (int vpt : {1, 2, 4, 8})
-      for (int tgt : {128, 256, 512, 1024}) {
-        LaunchConfig c = forward_config(C, vpt, tgt);
-        if (c.vpt != vpt || c.tpr * c.rpb > fwd_max_threads(vpt)) continue;
-        add_fwd(c);
-      }
+    const std::vector<LaunchConfig> fv = fwd_variants(C);
     const LaunchConfig rule = forward_config(C);
-    add_fwd(rule);
     std::vector<std::vector<double>> fms(fv.size());
     for (int round = 0; round < ROUNDS; ++round)
       for (size_t v = 0; v < fv.size(); ++v) {
@@ -201,25 +186,8 @@ int main(int argc, char** argv) {
     // 4-chunk one also with shared-memory partials
     for (int i = 0; i < sets; ++i) { G[i] = R[i]; CK(cudaMalloc(&GB[i], 2 * N * C)); }
     const double bwd_bytes = double(3 * 2 * N * C + 4 * N + 2 * 2 * C);
-    std::vector<LaunchConfig> bv;
-    auto add_bwd = [&](const LaunchConfig& c) {
-      if (!backward_config_valid(c, C)) return;
-      for (auto& o : bv)
-        if (same(o, c)) return;
-      bv.push_back(c);
-    };
-    for (int vpt : {1, 2, 4})
-      for (int tgt : {128, 256, 512, 1024}) {
-        LaunchConfig c = backward_config(C, vpt, tgt);
-        if (c.vpt != vpt) continue;
-        add_bwd(c);
-        if (vpt == 4 && !c.smem_acc) {
-          c.smem_acc = true;
-          add_bwd(c);
-        }
-      }
+    const std::vector<LaunchConfig> bv = bwd_variants(C);
     const LaunchConfig brule = backward_config(C);
-    add_bwd(brule);
     std::vector<float*> ws(bv.size());
     std::vector<int64_t> parts(bv.size());
     for (size_t v = 0; v < bv.size(); ++v) {

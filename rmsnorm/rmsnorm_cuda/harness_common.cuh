@@ -81,3 +81,48 @@ inline uint8_t ref_e4m3(float x) {
   return sign | mag;
 }
 inline float ref_multiplier(uint8_t byte) { return std::ldexp(1.0f, 127 - int(byte)); }
+
+// ---- the launch variants
+inline bool same(const rmsnorm::LaunchConfig& a, const rmsnorm::LaunchConfig& b) {
+  return a.vpt == b.vpt && a.tpr == b.tpr && a.rpb == b.rpb && a.smem_acc == b.smem_acc;
+}
+// Every forward variant the harnesses run (test.cu checks each, bench.cu times each).
+inline std::vector<rmsnorm::LaunchConfig> fwd_variants(int64_t C) {
+  std::vector<rmsnorm::LaunchConfig> out;
+  auto add = [&](const rmsnorm::LaunchConfig& c) {
+    for (auto& o : out)
+      if (same(o, c)) return;
+    out.push_back(c);
+  };
+  for (int vpt : {1, 2, 4, 8})
+    for (int tgt : {128, 256, 512, 1024}) {
+      rmsnorm::LaunchConfig c = rmsnorm::forward_config(C, vpt, tgt);
+      if (c.vpt != vpt) continue;
+      if (c.tpr * c.rpb > rmsnorm::fwd_max_threads(c.vpt)) continue;
+      add(c);
+    }
+  add(rmsnorm::forward_config(C));  // the dispatch rule itself
+  return out;
+}
+// Every backward variant, each 4-chunk one also with shared-memory partials (rpb as given).
+inline std::vector<rmsnorm::LaunchConfig> bwd_variants(int64_t C) {
+  std::vector<rmsnorm::LaunchConfig> out;
+  auto add = [&](const rmsnorm::LaunchConfig& c) {
+    if (!rmsnorm::backward_config_valid(c, C)) return;
+    for (auto& o : out)
+      if (same(o, c)) return;
+    out.push_back(c);
+  };
+  for (int vpt : {1, 2, 4})
+    for (int tgt : {128, 256, 512, 1024}) {
+      rmsnorm::LaunchConfig c = rmsnorm::backward_config(C, vpt, tgt);
+      if (c.vpt != vpt && !c.smem_acc) continue;
+      add(c);
+      if (vpt == 4 && !c.smem_acc) {
+        c.smem_acc = true;
+        add(c);
+      }
+    }
+  add(rmsnorm::backward_config(C));  // the dispatch rule itself
+  return out;
+}

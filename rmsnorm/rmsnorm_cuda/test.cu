@@ -123,50 +123,6 @@ static void check_forward_rows(const char* tag, const uint16_t* b, const uint16_
   }
 }
 
-static bool same(const LaunchConfig& a, const LaunchConfig& b) {
-  return a.vpt == b.vpt && a.tpr == b.tpr && a.rpb == b.rpb && a.smem_acc == b.smem_acc;
-}
-// Every forward variant.
-static std::vector<LaunchConfig> fwd_variants(int64_t C) {
-  std::vector<LaunchConfig> out;
-  auto add = [&](const LaunchConfig& c) {
-    for (auto& o : out)
-      if (same(o, c)) return;
-    out.push_back(c);
-  };
-  for (int vpt : {1, 2, 4, 8})
-    for (int tgt : {128, 256, 512, 1024}) {
-      LaunchConfig c = forward_config(C, vpt, tgt);
-      if (c.vpt != vpt) continue;
-      if (c.tpr * c.rpb > fwd_max_threads(c.vpt)) continue;
-      add(c);
-    }
-  out.push_back(forward_config(C));  // the dispatch rule itself
-  return out;
-}
-// Every backward variant, each 4-chunk one also with shared-memory partials (rpb as given).
-static std::vector<LaunchConfig> bwd_variants(int64_t C) {
-  std::vector<LaunchConfig> out;
-  auto add = [&](const LaunchConfig& c) {
-    if (!backward_config_valid(c, C)) return;
-    for (auto& o : out)
-      if (same(o, c)) return;
-    out.push_back(c);
-  };
-  for (int vpt : {1, 2, 4})
-    for (int tgt : {128, 256, 512, 1024}) {
-      LaunchConfig c = backward_config(C, vpt, tgt);
-      if (c.vpt != vpt && !c.smem_acc) continue;
-      add(c);
-      if (vpt == 4 && !c.smem_acc) {
-        c.smem_acc = true;
-        add(c);
-      }
-    }
-  add(backward_config(C));  // the dispatch rule itself
-  return out;
-}
-
 static void test_shape(int64_t N, int64_t C, uint64_t seed) {
   const float eps = 1e-6f;
   Inputs in = make_inputs(N, C, seed);
