@@ -136,7 +136,7 @@ def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padde
 
 def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
                     topk_weights, out, top_k, block_m: int = BLOCK_M, block_n: int = 128, warp_n: int = 128,
-                    stages: int = 3, bpc: int = 1, cpc: int = 1, split: bool = True):
+                    stages: int = 6, bpc: int = 1, cpc: int = 1, split: bool = True):
     """Reference of `flash_moe.fused_moe_mxfp8`: `fused_moe_bf16`'s computation on the exactly
     dequantized MXFP8 inputs.
 
