@@ -1,5 +1,5 @@
 // quantize_mxfp8 and dequantize_mxfp8 on the GPU (DESIGN §6): bandwidth-bound elementwise
-// kernels, 16 elements (half a scale block) per thread.
+// kernels.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -11,33 +11,6 @@ namespace {
 
 constexpr int kThreadsPerCta = 256;
 
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8]) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    f[2 * q] = __uint_as_float(w[q] << 16);
-    f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.f32 {%0,%1,%2,%3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p + 4 * h));
-    f[4 * h] = v.x;
-    f[4 * h + 1] = v.y;
-    f[4 * h + 2] = v.z;
-    f[4 * h + 3] = v.w;
-  }
-}
-
 int grid_for(int64_t chunks) {
   const int64_t want = (chunks + kThreadsPerCta - 1) / kThreadsPerCta;
   const int64_t cap = (int64_t)sm_count() * 16;  // enough CTAs to keep every SM's load queue full
@@ -45,54 +18,107 @@ int grid_for(int64_t chunks) {
 }
 
 
-// A thread owns 16 consecutive elements (half a scale block: the 2 threads of a block are
-// adjacent lanes and exchange amax with one shuffle) and stores 16 e4m3 bytes at once. A CTA
-// step covers kUnroll x 256 such units, every load of a step issued before the first use. The
-// loop bound is CTA-uniform so every lane reaches the shuffle; lanes past the end carry zeros
-// and store nothing.
-constexpr int kUnroll = 2;
+// quantize_kernel: every load is 16 bytes per lane and lane-contiguous (a warp reads 512
+// contiguous bytes, so no sector is fetched twice), kSlots of them issued before the first use.
+// A lane holds kElems elements, kLanesPerBlock lanes share a 32-element scale block, and a
+// "unit" = 4 blocks = scale columns 4j..4j+3 of one row (kLanesPerUnit lanes), whose 4 scale
+// bytes are contiguous in the blocked layout (and row-major when S % 4 == 0): they are OR-
+// gathered by shuffles and stored as one word by the unit's first lane. Units are numbered
+// row-major over (out_rows, S4) with out_rows = R, or R rounded up to 128 when blocked: the
+// padding rows' units load nothing and store zero words, so the padding needs no memset.
+constexpr int kSlots = 4;  // 64 B of loads in flight per thread
+
+template <typename T>
+struct QuantGeom {
+  static constexpr int kElems = 16 / sizeof(T);                       // 8 bf16 / 4 fp32
+  static constexpr int kLanesPerBlock = kMxfp8ScaleBlock / kElems;     // 4 / 8
+  static constexpr int kLanesPerUnit = 4 * kLanesPerBlock;             // 16 / 32
+  static constexpr int kUnitsPerStep = kSlots * kThreadsPerCta / kLanesPerUnit;
+};
+
+__device__ __forceinline__ uint4 ld_stream16(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __restrict__ src, int64_t R, int K,
                                                                    uint8_t* __restrict__ vals,
-                                                                   uint8_t* __restrict__ scales, bool blocked) {
-  const int units_per_row = K / 16;
+                                                                   uint8_t* __restrict__ scales, int64_t units,
+                                                                   bool blocked, bool words) {
+  using G = QuantGeom<T>;
+  constexpr int E = G::kElems;
   const int S = K / kMxfp8ScaleBlock;
-  const int64_t total = R * units_per_row;
-  constexpr int64_t kStep = (int64_t)kUnroll * kThreadsPerCta;
-  for (int64_t base = (int64_t)blockIdx.x * kStep; base < total; base += (int64_t)gridDim.x * kStep) {
-    float f[kUnroll][16];
+  const int S4 = (S + 3) / 4;
+  const int64_t out_rows = blocked ? (R + 127) / 128 * 128 : R;  // scale rows written (units = out_rows * S4)
+  const int ul = threadIdx.x % G::kLanesPerUnit;  // lane within its unit
+  const int b = ul / G::kLanesPerBlock;           // block within the unit: scale column 4j + b
+  // The loop bound is CTA-uniform, so every lane reaches every shuffle.
+  for (int64_t step = blockIdx.x; step * G::kUnitsPerStep < units; step += gridDim.x) {
+    int64_t r[kSlots];
+    int j[kSlots];
+    bool in[kSlots];  // a real block (row < R, column < S)
+    uint4 raw[kSlots];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreadsPerCta + threadIdx.x;
-      if (i < total) {
-        load8(src + i * 16, *reinterpret_cast<float(*)[8]>(&f[u][0]));
-        load8(src + i * 16 + 8, *reinterpret_cast<float(*)[8]>(&f[u][8]));
-      } else {
-#pragma unroll
-        for (int q = 0; q < 16; ++q) f[u][q] = 0.f;
-      }
+    for (int c = 0; c < kSlots; ++c) {
+      // slot c of the CTA covers kThreadsPerCta / kLanesPerUnit consecutive units
+      const int64_t u = step * G::kUnitsPerStep + (c * kThreadsPerCta + (int)threadIdx.x) / G::kLanesPerUnit;
+      r[c] = u / S4;  // nvcc divides in 32 bits whenever the operands fit
+      j[c] = (int)(u - r[c] * S4);
+      in[c] = r[c] < R && 4 * j[c] + b < S;
+      raw[c] = make_uint4(0u, 0u, 0u, 0u);  // padding blocks quantize zeros: scale byte 0
+      if (in[c]) raw[c] = ld_stream16(src + r[c] * K + j[c] * 128 + ul * E);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreadsPerCta + threadIdx.x;
+    for (int c = 0; c < kSlots; ++c) {
+      float f[E];
+      const uint32_t w[4] = {raw[c].x, raw[c].y, raw[c].z, raw[c].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if constexpr (E == 8) {  // bf16 pairs, element 2q in the low half
+          f[2 * q] = __uint_as_float(w[q] << 16);
+          f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+        } else {
+          f[q] = __uint_as_float(w[q]);
+        }
+      }
       uint32_t amax = 0;
 #pragma unroll
-      for (int q = 0; q < 16; ++q) amax = max(amax, __float_as_uint(f[u][q]) & 0x7fffffffu);
-      amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      for (int q = 0; q < E; ++q) amax = max(amax, __float_as_uint(f[q]) & 0x7fffffffu);
+#pragma unroll
+      for (int o = 1; o < G::kLanesPerBlock; o <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       const uint32_t byte = mx::scale_byte_from_amax_bits(amax);
       const float m = mx::quant_multiplier(byte);
-      if (i >= total) continue;
-      uint32_t w[4];
+      uint32_t q4[E / 4];  // e4m3 of elements 4q..4q+3, lowest byte first
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        w[j] = mx::e4m3x2_from_floats(__fmul_rn(f[u][4 * j], m), __fmul_rn(f[u][4 * j + 1], m)) |
-               (mx::e4m3x2_from_floats(__fmul_rn(f[u][4 * j + 2], m), __fmul_rn(f[u][4 * j + 3], m)) << 16);
-      *reinterpret_cast<uint4*>(vals + i * 16) = make_uint4(w[0], w[1], w[2], w[3]);
-      if ((i & 1) == 0) {
-        const int64_t r = i / units_per_row;
-        const int s = (int)(i - r * units_per_row) / 2;
-        scales[blocked ? mx::blocked_offset(r, s, S) : r * S + s] = (uint8_t)byte;
+      for (int q = 0; q < E / 4; ++q)
+        q4[q] = mx::e4m3x2_from_floats(__fmul_rn(f[4 * q], m), __fmul_rn(f[4 * q + 1], m)) |
+                (mx::e4m3x2_from_floats(__fmul_rn(f[4 * q + 2], m), __fmul_rn(f[4 * q + 3], m)) << 16);
+      if (in[c]) {
+        uint8_t* const vp = vals + r[c] * K + j[c] * 128 + ul * E;
+        if constexpr (E == 8)
+          __stcs(reinterpret_cast<uint2*>(vp), make_uint2(q4[0], q4[1]));
+        else
+          __stcs(reinterpret_cast<unsigned int*>(vp), q4[0]);
+      }
+      // The unit's 4 scale bytes as one word (padding blocks give 0: the layout's zero padding).
+      uint32_t word = byte << (8 * b);
+#pragma unroll
+      for (int o = G::kLanesPerBlock; o < G::kLanesPerUnit; o <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
+      const int s = 4 * j[c] + (words ? 0 : b);
+      // blocked: mx::blocked_offset(r, s, S) in shifts and masks (r >= 0)
+      const int64_t off = blocked ? ((r[c] >> 7) * S4 + (s >> 2)) * 512 + (r[c] & 31) * 16 + ((r[c] >> 5) & 3) * 4 +
+                                        (s & 3)
+                                  : r[c] * S + s;
+      if (r[c] < out_rows) {
+        if (words) {
+          if (ul == 0) *reinterpret_cast<uint32_t*>(scales + off) = word;
+        } else if (ul % G::kLanesPerBlock == 0 && (blocked || s < S)) {  // one byte per block
+          scales[off] = (uint8_t)byte;
+        }
       }
     }
   }
@@ -143,26 +169,31 @@ cudaError_t launch_dequantize(const uint8_t* vals, const uint8_t* scales, int64_
   return cudaGetLastError();
 }
 
+template <typename T>
+cudaError_t launch_quantize(const void* src, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales, bool blocked,
+                            cudaStream_t stream) {
+  const int64_t S = K / kMxfp8ScaleBlock;
+  const int64_t units = (blocked ? (R + 127) / 128 * 128 : R) * ((S + 3) / 4);
+  if (units == 0) return cudaSuccess;
+  // Word stores need 4 contiguous, aligned bytes per unit: always in the blocked layout,
+  // row-major only when S % 4 == 0; otherwise each block's first lane stores its byte.
+  const bool words = (blocked || S % 4 == 0) && reinterpret_cast<uintptr_t>(scales) % 4 == 0;
+  // One step per CTA (as rmsnorm's forward: the hardware backfills finished CTAs); the kernel's
+  // grid-stride loop only matters past the grid-size limit.
+  const int64_t steps = (units + QuantGeom<T>::kUnitsPerStep - 1) / QuantGeom<T>::kUnitsPerStep;
+  const int grid = (int)(steps < (1 << 30) ? steps : (1 << 30));
+  quantize_kernel<T><<<grid, kThreadsPerCta, 0, stream>>>(static_cast<const T*>(src), R, (int)K, vals, scales,
+                                                          units, blocked, words);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales,
                            bool blocked, cudaStream_t stream) {
-  if (K % kMxfp8ScaleBlock != 0 || K <= 0) return cudaErrorInvalidValue;
-  const int64_t S = K / kMxfp8ScaleBlock;
-  if (blocked) {  // padding rows/columns of the blocked layout are zeros
-    const cudaError_t err = cudaMemsetAsync(scales, 0, (size_t)((R + 127) / 128 * 128) * ((S + 3) / 4 * 4), stream);
-    if (err != cudaSuccess) return err;
-  }
-  const int64_t units = R * (K / 16);
-  if (units == 0) return cudaSuccess;
-  const int grid = grid_for((units + kUnroll - 1) / kUnroll);
-  if (kind == FloatKind::kBf16)
-    quantize_kernel<__nv_bfloat16><<<grid, kThreadsPerCta, 0, stream>>>(static_cast<const __nv_bfloat16*>(src), R,
-                                                                         (int)K, vals, scales, blocked);
-  else
-    quantize_kernel<float><<<grid, kThreadsPerCta, 0, stream>>>(static_cast<const float*>(src), R, (int)K, vals,
-                                                                scales, blocked);
-  return cudaGetLastError();
+  if (K % kMxfp8ScaleBlock != 0 || K <= 0 || R < 0) return cudaErrorInvalidValue;
+  return kind == FloatKind::kBf16 ? launch_quantize<__nv_bfloat16>(src, R, K, vals, scales, blocked, stream)
+                                  : launch_quantize<float>(src, R, K, vals, scales, blocked, stream);
 }
 
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
