@@ -101,14 +101,14 @@ struct Operand {
   uint64_t row_bytes[2];  // strides of dims 1.. in bytes
 };
 
-bool make_tmap(CUtensorMap* tm, const Operand& o, bool e4m3) {
+bool make_tmap(CUtensorMap* tm, const Operand& o, bool e4m3, uint32_t box_rows = 128) {
   EncodeTiledFn fn = get_encode_fn();
   if (!fn) return false;
   cuuint64_t gdim[3], gstride[2];
   cuuint32_t box[3], estr[3];
   for (int i = 0; i < o.rank; ++i) {
     gdim[i] = o.dims[i];
-    box[i] = i == 0 ? gemm::kBK : (i == 1 ? 128 : 1);
+    box[i] = i == 0 ? gemm::kBK : (i == 1 ? box_rows : 1);
     estr[i] = 1;
   }
   for (int i = 0; i < o.rank - 1; ++i) gstride[i] = o.row_bytes[i];
@@ -128,29 +128,36 @@ Operand down_weights(const void* w2, int64_t E, int64_t K, int64_t I, int elem) 
 Operand h_rows(const void* h, int64_t L, int64_t I) {
   return Operand{h, 2, {(uint64_t)I, (uint64_t)L, 1}, {(uint64_t)(I * 2), 0}};
 }
+// The bf16 epilogues' TMA stores: (rows, cols) bf16 row-major, 64 x 64 boxes.
+constexpr uint32_t kStoreBoxRows = 64;
+Operand out_rows(const void* out, int64_t rows, int64_t cols) {
+  return Operand{out, 2, {(uint64_t)cols, (uint64_t)rows, 1}, {(uint64_t)(cols * 2), 0}};
+}
 
 // ---------------------------------------------------------------- launches
 // One persistent launch: a CTA per SM (or per tile when there are fewer tiles).
 template <class Kernel>
 cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, const CUtensorMap& tmB,
-                              const GemmParams& p, cudaStream_t stream) {
+                              const CUtensorMap& tmC, const GemmParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
   if (max_tiles == 0) return cudaSuccess;
   const int grid = (int)(max_tiles < sm_count() ? max_tiles : sm_count());
-  kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, p);
+  kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, tmC, p);
   return cudaGetLastError();
 }
 
 // Both GEMMs of one op at one pipeline depth.
 template <gemm::Weights kW, int kStages>
 cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
-                              const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+                         const CUtensorMap& tm_h_out, const CUtensorMap& tm_y_out, const GemmParams& p1,
+                         const GemmParams& p2, cudaStream_t stream) {
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
-  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages>, smem, tm_w, tm_w, p1, stream);
+  cudaError_t err =
+      launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages>, smem, tm_w, tm_w, tm_h_out, p1, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages>, smem, tm_h, tm_w2, p2, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages>, smem, tm_h, tm_w2, tm_y_out, p2, stream);
 }
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
@@ -245,16 +252,19 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(ws.inv, 0xFF, (size_t)a.M * a.top_k * 4, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
-    CUtensorMap tm_w, tm_h, tm_w2;
+    CUtensorMap tm_w, tm_h, tm_w2, tm_h_out, tm_y_out;
     if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
         !make_tmap(&tm_h, h_rows(ws.h, a.L, a.I), false) ||
-        !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 2), false))
+        !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
+        !make_tmap(&tm_h_out, out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
+        !make_tmap(&tm_y_out, out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows))
       return cudaErrorInvalidValue;
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
                 a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    err = a.stages == 4 ? launch_gemms<gemm::Weights::kBf16, 4>(tm_w, tm_h, tm_w2, p1, p2, stream)
-                        : launch_gemms<gemm::Weights::kBf16, 3>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    err = a.stages == 4
+              ? launch_gemms<gemm::Weights::kBf16, 4>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
+              : launch_gemms<gemm::Weights::kBf16, 3>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);
@@ -284,7 +294,8 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)((a.I / kMxfp8ScaleBlock + 3) / 4);
     p2.scale_row_groups = (int)((a.E * a.K + 127) / 128);
-    err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, p1, p2, stream);
+    // (the MXFP8 epilogues store from registers: their output maps are unused)
+    err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, tm_h, tm_h, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);

@@ -39,7 +39,9 @@ struct SmemPlan {
   static constexpr int kABytes = kBM * kBK * 2;     // 16 KB bf16 token tile
   static constexpr int kBBoxBytes = 128 * kBK * 2;  // 16 KB: one 128-row bf16 weight box
   static constexpr int kStageBytes = kABytes + 2 * kBBoxBytes;
-  static constexpr int kBarOffset = kStages * kStageBytes;
+  static constexpr int kEpiOffset = kStages * kStageBytes;  // a 64 x 128 bf16 output block per consumer
+  static constexpr int kEpiBytes = 2 * 64 * 128 * 2;
+  static constexpr int kBarOffset = kEpiOffset + kEpiBytes;
   static constexpr int kBytes = kBarOffset + 2 * kStages * 8;
   static constexpr int kLaunchBytes = kBytes + 1024;  // slack for the 1024-byte alignment
 };
@@ -240,47 +242,83 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
 }
 
 // ---------------------------------------------------------------- epilogues
-// Accumulator layout of m64n128 (per consumer warpgroup): thread holds rows
-// row_base + {0, 8} and columns n0 + 8j + 2*(lane%4) + {0, 1}, j = 0..15.
-__device__ __forceinline__ void store_swiglu(const GemmParams& p, const Tile& tile, int row_base, int lane,
-                                             const float (&gate)[64], const float (&up)[64]) {
-  const int n0 = n_origin<Kind::kGateUp>(tile);
+// Staged epilogue store (bf16 path): a consumer warpgroup's 64 x 128 bf16 output block goes
+// registers -> shared memory (two 64 x 64 boxes of 128-byte rows in the 128-byte swizzle: a
+// warp's 4-byte stores to 8 rows hit 32 distinct banks) -> global by one TMA store per box. The
+// warpgroup returns to its next tile's wgmmas while the copy drains; TMA clips rows and columns
+// outside the output.
+struct StagedStore {
+  static constexpr int kBoxBytes = 64 * 128;
+  static constexpr int kBoxes = 2;
+  uint32_t buf;  // this warpgroup's 16 KB
+  int bar_id;    // named barrier of this warpgroup
+  __device__ StagedStore(uint32_t sbase_epi, int cw) : buf(sbase_epi + cw * 16384), bar_id(4 + cw) {}
+  // Before writing: the previous block's TMA stores have finished reading buf.
+  __device__ void acquire() const {
+    if ((threadIdx.x & 127) == 0) bulk_wait_read_all();
+    named_barrier_sync(bar_id, 128);
+  }
+  // Row r in [0, 64), even column c in [0, 128): two bf16.
+  __device__ void put(int r, int c, uint32_t two_bf16) const {
+    const int cc = c & 63;
+    st_shared_u32(buf + (c >> 6) * kBoxBytes + r * 128 + ((((cc >> 3) ^ (r & 7)) << 4) | ((cc & 7) * 2)), two_bf16);
+  }
+  __device__ void release(const CUtensorMap* tm, int col0, int row0) const {
+    fence_proxy_async_shared();
+    named_barrier_sync(bar_id, 128);
+    if ((threadIdx.x & 127) == 0) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    __nv_bfloat16* orow = p.out + (int64_t)(row_base + 8 * h) * p.ldo;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int col = n0 + j * 8 + (lane & 3) * 2;
-      if (col < p.n_out) {
-        const float g0 = gate[4 * j + 2 * h], g1 = gate[4 * j + 2 * h + 1];
-        const float u0 = up[4 * j + 2 * h], u1 = up[4 * j + 2 * h + 1];
-        const float v0 = g0 / (1.f + __expf(-g0)) * u0;
-        const float v1 = g1 / (1.f + __expf(-g1)) * u1;
-        *reinterpret_cast<__nv_bfloat162*>(orow + col) = __floats2bfloat162_rn(v0, v1);
-      }
+      for (int b = 0; b < kBoxes; ++b) tma_store_2d(tm, buf + b * kBoxBytes, col0 + 64 * b, row0);
+      bulk_commit_group();
     }
   }
+  __device__ void drain() const {
+    if ((threadIdx.x & 127) == 0) bulk_wait_all();
+  }
+};
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ __forceinline__ void store_weighted(const GemmParams& p, const Tile& tile, int row_base, int lane,
-                                               const float (&lo)[64], const float (&hi)[64]) {
-  const int n0 = n_origin<Kind::kDown>(tile);
+// Thread (w4, lane) holds rows 16 w4 + lane/4 + {0, 8} of the warpgroup's 64 and columns
+// 8j + 2(lane%4) + {0, 1} of each m64n128 accumulator.
+__device__ __forceinline__ void stage_swiglu(const StagedStore& st, const CUtensorMap* tm, const Tile& tile, int cw,
+                                             int w4, int lane, const float (&gate)[64], const float (&up)[64]) {
+  st.acquire();
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_base + 8 * h;
-    const int sid = p.sorted_ids[row];
-    const float wt = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
-    __nv_bfloat16* orow = p.out + (int64_t)row * p.ldo;
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      const int col = n0 + j * 8 + (lane & 3) * 2;
-      if (col < p.n_out)
-        *reinterpret_cast<__nv_bfloat162*>(orow + col) =
-            __floats2bfloat162_rn(lo[4 * j + 2 * h] * wt, lo[4 * j + 2 * h + 1] * wt);
-      if (col + 128 < p.n_out)
-        *reinterpret_cast<__nv_bfloat162*>(orow + col + 128) =
-            __floats2bfloat162_rn(hi[4 * j + 2 * h] * wt, hi[4 * j + 2 * h + 1] * wt);
+      const float g0 = gate[4 * j + 2 * h], g1 = gate[4 * j + 2 * h + 1];
+      const float u0 = up[4 * j + 2 * h], u1 = up[4 * j + 2 * h + 1];
+      st.put(16 * w4 + (lane >> 2) + 8 * h, 8 * j + 2 * (lane & 3),
+             bf16x2_bits(g0 / (1.f + __expf(-g0)) * u0, g1 / (1.f + __expf(-g1)) * u1));
     }
+  st.release(tm, n_origin<Kind::kGateUp>(tile), tile.m0 + 64 * cw);
+}
+
+__device__ __forceinline__ void stage_weighted(const StagedStore& st, const CUtensorMap* tm, const GemmParams& p,
+                                               const Tile& tile, int cw, int w4, int lane, const float (&lo)[64],
+                                               const float (&hi)[64]) {
+  float wt[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int sid = p.sorted_ids[tile.m0 + 64 * cw + 16 * w4 + (lane >> 2) + 8 * h];
+    wt[h] = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float(&acc)[64] = half ? hi : lo;
+    st.acquire();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        st.put(16 * w4 + (lane >> 2) + 8 * h, 8 * j + 2 * (lane & 3),
+               bf16x2_bits(acc[4 * j + 2 * h] * wt[h], acc[4 * j + 2 * h + 1] * wt[h]));
+    st.release(tm, n_origin<Kind::kDown>(tile) + 128 * half, tile.m0 + 64 * cw);
   }
 }
 
@@ -289,9 +327,11 @@ __device__ __forceinline__ void store_weighted(const GemmParams& p, const Tile& 
 // the two 128-column halves of the down tile). A stage is released (empty barrier, one
 // arrive per warp) once the wgmmas of the next stage are issued and those of it retired.
 template <Kind kKind, int kStages>
-__device__ void consume_bf16(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, int nk) {
+__device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars,
+                             int nk) {
   using Plan = SmemPlan<kStages>;
   const int cw = threadIdx.x / 128 - 1;
+  const StagedStore staged(sbase + Plan::kEpiOffset, cw);
   const int w4 = (threadIdx.x / 32) & 3;
   const int lane = threadIdx.x & 31;
   float acc0[64], acc1[64];
@@ -304,6 +344,18 @@ __device__ void consume_bf16(const GemmParams& p, uint32_t sbase, const Barriers
   Tile tile;
   uint32_t it = 0;
   while (sched.next_tile(p, tile)) {
+    // A warpgroup whose 64 rows are all padding (the tail of an expert's run that fills at most
+    // half a tile) skips its wgmmas and its stores: the tensor cores then serve the other
+    // warpgroup alone. Both GEMMs split the same 128-row blocks the same way, so the h rows a
+    // skipped gate/up half leaves unwritten are read only by a skipped down half.
+    const int sid = p.sorted_ids[tile.m0 + cw * 64 + (threadIdx.x & 63)];
+    if (!named_barrier_or(2 + cw, 128, sid >= 0 && sid < p.n_slots)) {
+      for (int kb = 0; kb < nk; ++kb, ++it) {
+        mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
+        if (lane == 0) mbar_arrive(bars.empty(it % kStages));
+      }
+      continue;
+    }
     for (int kb = 0; kb < nk; ++kb, ++it) {
       const int s = it % kStages;
       mbar_wait(bars.full(s), (it / kStages) & 1);
@@ -328,12 +380,12 @@ __device__ void consume_bf16(const GemmParams& p, uint32_t sbase, const Barriers
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(bars.empty((it - 1) % kStages));
 
-    const int row_base = tile.m0 + cw * 64 + w4 * 16 + (lane >> 2);
     if (kKind == Kind::kGateUp)
-      store_swiglu(p, tile, row_base, lane, acc0, acc1);
+      stage_swiglu(staged, tmC, tile, cw, w4, lane, acc0, acc1);
     else
-      store_weighted(p, tile, row_base, lane, acc0, acc1);
+      stage_weighted(staged, tmC, p, tile, cw, w4, lane, acc0, acc1);
   }
+  staged.drain();
 }
 
 // ---------------------------------------------------------------- MXFP8: weights in registers
@@ -454,11 +506,8 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
                        (box * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
                        (uint32_t)((g % 32) * 16 + ((g % 128) / 32) * 4 + (cq >> 1));
       }
-    for (int kb = 0; kb < nk; ++kb, ++it) {
-      const int s = it % kStages;
-      const uint32_t stage = sbase + s * Plan::kStageBytes;
-      mbar_wait(bars.full(s), (it / kStages) & 1);
-      uint32_t a[2][2][8];  // [block][half][bf16 pairs of the 16 e4m3 values]
+    // A fragments of k-block kb: 16 e4m3 bytes per (block, half), dequantized to 8 bf16 pairs.
+    auto load_fragments = [&](uint32_t stage, int kb, uint32_t(&a)[2][2][8]) {
 #pragma unroll
       for (int b = 0; b < 2; ++b)
 #pragma unroll
@@ -474,6 +523,16 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
           a[b][h][0] = lo.x; a[b][h][1] = lo.y; a[b][h][2] = lo.z; a[b][h][3] = lo.w;
           a[b][h][4] = hi.x; a[b][h][5] = hi.y; a[b][h][6] = hi.z; a[b][h][7] = hi.w;
         }
+    };
+    // Software pipeline: while the wgmmas of k-block kb run, the next k-block's fragments are
+    // loaded and dequantized into a second register set, so the tensor cores of this warpgroup
+    // wait only for the issue of the next batch, not for a whole conversion.
+    uint32_t a[2][2][8], a_next[2][2][8];
+    mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
+    load_fragments(sbase + (it % kStages) * Plan::kStageBytes, 0, a);
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      const uint32_t stage = sbase + s * Plan::kStageBytes;
       wgmma_fence();
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
@@ -486,8 +545,19 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         wgmma_m64n128k16_bf16_rs(acc1, f1, db, sc);
       }
       wgmma_commit();
-      wgmma_wait<0>();  // the fragments are rewritten next k-block; the other warpgroup fills the gap
+      if (kb + 1 < nk) {
+        const uint32_t n = it + 1;
+        mbar_wait(bars.full(n % kStages), (n / kStages) & 1);
+        load_fragments(sbase + (n % kStages) * Plan::kStageBytes, kb + 1, a_next);
+      }
+      wgmma_wait<0>();  // a is rewritten below; the other warpgroup fills the issue gap
       if (lane == 0) mbar_arrive(bars.empty(s));
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a[b][h][i] = a_next[b][h][i];
     }
 
     // ---------------------------------------------------------- epilogue (transposed tiles)
@@ -545,7 +615,7 @@ using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mx
 template <Weights kW, Kind kKind, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                    const GemmParams p) {
+                    const __grid_constant__ CUtensorMap tmC, const GemmParams p) {
   using Plan = StagePlan<kW, kStages>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -574,7 +644,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     if constexpr (kW == Weights::kBf16)
-      consume_bf16<kKind, kStages>(p, sbase, bars, nk);
+      consume_bf16<kKind, kStages>(&tmC, p, sbase, bars, nk);
     else
       consume_mxfp8<kKind, kStages>(p, sbase, bars, nk);
   }
