@@ -335,7 +335,7 @@ def test_opcheck(kernel):
     d = _inputs(kernel, 64, 256, 128, 4, 2)
     s, e, n = kernel.moe_align(d["ids"], 4)
     out = torch.full((64, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    args = (*d["q"], s, e, n, d["wt"], out, 2, 128, 128, 128, 3, 1, 1, True)
+    args = (*d["q"], s, e, n, d["wt"], out, 2, 128, 128, 128, kernel.STAGES_MXFP8, 1, 1, True)
     torch.library.opcheck(kernel.ops.fused_moe_mxfp8, args, test_utils=NO_SCHEMA)
     out.fill_(float("nan"))
     _check_schema_mutations(kernel.ops.fused_moe_mxfp8, args, {"out"})
