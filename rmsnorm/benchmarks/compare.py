@@ -133,9 +133,7 @@ def main():
         print(f"{op:32s} {impl:14s} {N:6d}x{C:<6d} {ms:8.4f} ms {gbps:8.1f} GB/s "
               f"{100 * gbps / copy_gbps:6.1f}% of copy", flush=True)
 
-    for N, C in shapes:
-        S = C // 32
-        sb = ((N + 127) // 128) * 128 * ((S + 3) // 4) * 4
+    def inputs(N, C):
         set_bytes = 3 * 2 * N * C
         nsets = max(2, math.ceil(4 * l2 / set_bytes))
         B = [torch.randn(N, C, device="cuda").bfloat16() for _ in range(nsets)]
@@ -143,26 +141,44 @@ def main():
         G = [torch.randn(N, C, device="cuda").bfloat16() for _ in range(nsets)]
         W = (1 + 0.1 * torch.randn(C, device="cuda")).bfloat16()
         RR = [k.fused_rmsnorm_residual(B[i], R[i], W)[2] for i in range(nsets)]
-        fwd_bytes = 2 * 2 * N * C + 2 * C + N * C + sb + 4 * N  # branch, residual, weight; vals, scales, rrms
-        bwd_bytes = 2 * 2 * N * C + 2 * C + 4 * N + 2 * N * C + 2 * C  # grad_y, branch, weight, rrms; grad_branch, grad_weight
+        return nsets, B, R, G, W, RR
+
+    def nbytes(N, C):
+        sb = ((N + 127) // 128) * 128 * ((C // 32 + 3) // 4) * 4
+        fwd = 2 * 2 * N * C + 2 * C + N * C + sb + 4 * N  # branch, residual, weight; vals, scales, rrms
+        bwd = 2 * 2 * N * C + 2 * C + 4 * N + 2 * N * C + 2 * C  # grad_y, branch, weight, rrms; grad_branch, grad_weight
+        return fwd, bwd
+
+    # Our kernels at every shape first, then the peers: when our forward at 16384x7168 ran right
+    # after the peers' 65536x8192 runs it read 84.6-85.3 % of copy (three runs) against 92-93 %
+    # in the standalone harness and in this script without the peers, an effect of the process's
+    # state left by the peers, not of the kernel (NOTES.md, session 3).
+    for N, C in shapes:
+        nsets, B, R, G, W, RR = inputs(N, C)
+        fwd_bytes, bwd_bytes = nbytes(N, C)
         add("fused_rmsnorm_residual", "prime-kernels", N, C,
             median_ms(lambda i: k.fused_rmsnorm_residual(B[i], R[i], W), nsets, reps=args.reps), fwd_bytes)
         add("fused_rmsnorm_residual_backward", "prime-kernels", N, C,
             median_ms(lambda i: k.fused_rmsnorm_residual_backward(G[i], B[i], W, RR[i]), nsets, reps=args.reps),
             bwd_bytes)
-        if not args.ours_only:
-            try:
-                # the compiled reference must agree with the kernel before it is timed
-                v0, s0, _ = compiled_fwd(B[0], R[0], W)
-                v1, s1, _ = k.fused_rmsnorm_residual(B[0], R[0], W)
-                same = torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
-                print(f"  torch.compile reference: scales identical to the kernel's: {same}")
-                add("fused_rmsnorm_residual", "torch.compile", N, C,
-                    median_ms(lambda i: compiled_fwd(B[i], R[i], W), nsets, reps=args.reps), fwd_bytes)
-                add("fused_rmsnorm_residual_backward", "torch.compile", N, C,
-                    median_ms(lambda i: compiled_bwd(G[i], B[i], W, RR[i]), nsets, reps=args.reps), bwd_bytes)
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
+        del B, R, G, RR
+        torch.cuda.empty_cache()
+
+    for N, C in shapes if not args.ours_only else []:
+        nsets, B, R, G, W, RR = inputs(N, C)
+        fwd_bytes, bwd_bytes = nbytes(N, C)
+        try:
+            # the compiled reference must agree with the kernel before it is timed
+            v0, s0, _ = compiled_fwd(B[0], R[0], W)
+            v1, s1, _ = k.fused_rmsnorm_residual(B[0], R[0], W)
+            same = torch.equal(s0.view(torch.uint8), s1.view(torch.uint8))
+            print(f"  torch.compile reference: scales identical to the kernel's: {same}")
+            add("fused_rmsnorm_residual", "torch.compile", N, C,
+                median_ms(lambda i: compiled_fwd(B[i], R[i], W), nsets, reps=args.reps), fwd_bytes)
+            add("fused_rmsnorm_residual_backward", "torch.compile", N, C,
+                median_ms(lambda i: compiled_bwd(G[i], B[i], W, RR[i]), nsets, reps=args.reps), bwd_bytes)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
         if Liger is not None:
             try:
                 # Liger: S = X + R; Y = rmsnorm(S) * W (bf16 Y and S out, no quantization)
