@@ -507,30 +507,50 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
                        (uint32_t)((g % 32) * 16 + ((g % 128) / 32) * 4 + (cq >> 1));
       }
     // A fragments of k-block kb: 16 e4m3 bytes per (block, half), dequantized to 8 bf16 pairs.
+    // All eight shared loads are issued first and the four chunks take one branch together, so
+    // their conversions interleave. Rows past the expert's end are zero (TMA fill); their scale
+    // byte, read from the neighbouring rows' scales, is replaced by 0.
     auto load_fragments = [&](uint32_t stage, int kb, uint32_t(&a)[2][2][8]) {
+      uint4 q[2][2];
+      uint32_t byte[2][2];
 #pragma unroll
       for (int b = 0; b < 2; ++b)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          uint4 q;
-          uint32_t byte;
           asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                       : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+                       : "=r"(q[b][h].x), "=r"(q[b][h].y), "=r"(q[b][h].z), "=r"(q[b][h].w)
                        : "r"(stage + q_off[b][h]));
-          asm volatile("ld.shared.u8 %0, [%1];" : "=r"(byte) : "r"(stage + sc_off[b][h] + 2 * (kb & 1)));
-          uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-          if (live[b][h]) mx::dequant16(q, byte, lo, hi);
-          a[b][h][0] = lo.x; a[b][h][1] = lo.y; a[b][h][2] = lo.z; a[b][h][3] = lo.w;
-          a[b][h][4] = hi.x; a[b][h][5] = hi.y; a[b][h][6] = hi.z; a[b][h][7] = hi.w;
+          asm volatile("ld.shared.u8 %0, [%1];" : "=r"(byte[b][h]) : "r"(stage + sc_off[b][h] + 2 * (kb & 1)));
         }
+      bool integer_ok = true;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          byte[b][h] = live[b][h] ? byte[b][h] : 0u;
+          integer_ok &= mx::integer_path_ok(q[b][h], byte[b][h]);
+        }
+      auto convert = [&](auto dequant) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint4 lo, hi;
+            dequant(q[b][h], byte[b][h], lo, hi);
+            a[b][h][0] = lo.x; a[b][h][1] = lo.y; a[b][h][2] = lo.z; a[b][h][3] = lo.w;
+            a[b][h][4] = hi.x; a[b][h][5] = hi.y; a[b][h][6] = hi.z; a[b][h][7] = hi.w;
+          }
+      };
+      if (integer_ok)
+        convert(mx::dequant16_integer);
+      else
+        convert(mx::dequant16_general);
     };
     // Software pipeline: while the wgmmas of k-block kb run, the next k-block's fragments are
-    // loaded and dequantized into a second register set, so the tensor cores of this warpgroup
-    // wait only for the issue of the next batch, not for a whole conversion.
-    uint32_t a[2][2][8], a_next[2][2][8];
-    mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
-    load_fragments(sbase + (it % kStages) * Plan::kStageBytes, 0, a);
-    for (int kb = 0; kb < nk; ++kb, ++it) {
+    // loaded and dequantized into the other register set, so the tensor cores of this warpgroup
+    // wait only for the issue of the next batch, not for a whole conversion. The two sets swap
+    // roles every k-block (the loop body is written out twice, so no register copies).
+    auto step = [&](const uint32_t(&a)[2][2][8], uint32_t(&a_next)[2][2][8], int kb) {
       const int s = it % kStages;
       const uint32_t stage = sbase + s * Plan::kStageBytes;
       wgmma_fence();
@@ -550,14 +570,16 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         mbar_wait(bars.full(n % kStages), (n / kStages) & 1);
         load_fragments(sbase + (n % kStages) * Plan::kStageBytes, kb + 1, a_next);
       }
-      wgmma_wait<0>();  // a is rewritten below; the other warpgroup fills the issue gap
+      wgmma_wait<0>();  // a is rewritten by the step after next; the other warpgroup fills the gap
       if (lane == 0) mbar_arrive(bars.empty(s));
-#pragma unroll
-      for (int b = 0; b < 2; ++b)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) a[b][h][i] = a_next[b][h][i];
+      ++it;
+    };
+    uint32_t fa[2][2][8], fb[2][2][8];
+    mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
+    load_fragments(sbase + (it % kStages) * Plan::kStageBytes, 0, fa);
+    for (int kb = 0; kb < nk; kb += 2) {
+      step(fa, fb, kb);
+      if (kb + 1 < nk) step(fb, fa, kb + 1);
     }
 
     // ---------------------------------------------------------- epilogue (transposed tiles)

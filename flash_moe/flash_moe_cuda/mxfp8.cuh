@@ -32,12 +32,17 @@ __device__ __forceinline__ uint32_t e4m3x2_from_floats(float a, float b) {
   return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
 }
 
-// Two e4m3 bytes in the low byte of each 16-bit lane (0x00BB00AA) -> two bf16 holding
-// q * 2^-120 exactly: e4m3's exponent/mantissa bits shifted into bf16's place (normal and
-// subnormal e4m3 alike: bf16's bias is 120 more), the sign moved to bit 15. Integer ops
-// only: (b << 4) + (b & 0x80) * 240 == ((b & 0x7f) << 4) | ((b & 0x80) << 8).
-__device__ __forceinline__ uint32_t bf16x2_bits_from_e4m3_lanes(uint32_t lanes) {
-  return (lanes << 4) + (lanes & 0x00800080u) * 240u;
+// Bytes kI and kJ of w (two e4m3) -> two bf16 holding q * 2^-120 exactly (the low half from
+// byte kI). prmt puts each byte in the low half of a 16-bit lane with its sign replicated into
+// the high half (0xSSbb); after << 4, bits 4..10 hold the e4m3 exponent and mantissa bits in
+// bf16's place (bf16's bias is 120 more; normal and subnormal e4m3 alike) and bit 15 a copy of
+// the sign, and the mask keeps exactly those: three instructions per pair.
+template <int kI, int kJ>
+__device__ __forceinline__ uint32_t bf16x2_bits_from_e4m3(uint32_t w) {
+  constexpr uint32_t kSel = kI | ((kI | 8) << 4) | (kJ << 8) | ((kJ | 8) << 12);
+  uint32_t t;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(t) : "r"(w), "r"(0u), "n"(kSel));
+  return (t << 4) & 0x87f087f0u;
 }
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
@@ -64,36 +69,46 @@ __device__ __forceinline__ float dequant_factor(uint32_t byte) {
   return byte == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(byte << 23);
 }
 
-// True if any of the 4 e4m3 bytes of `w` is a NaN code (0x7f / 0xff).
-__device__ __forceinline__ bool has_nan_code(uint32_t w) {
-  return (((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0u;
+// True if any of the 16 e4m3 bytes is a NaN code (0x7f / 0xff): adding 1 to a byte's low 7
+// bits carries into its bit 7 exactly for those.
+__device__ __forceinline__ bool has_nan_code(const uint4& q) {
+  constexpr uint32_t kLow7 = 0x7f7f7f7fu, kOnes = 0x01010101u;
+  return ((((q.x & kLow7) + kOnes) | ((q.y & kLow7) + kOnes) | ((q.z & kLow7) + kOnes) | ((q.w & kLow7) + kOnes)) &
+          0x80808080u) != 0u;
 }
 
 // 16 e4m3 values (one 16-byte chunk, element 0 in the lowest byte) times 2^(byte - 127) ->
 // 16 bf16 (two chunks), rounded once: exact whenever q * 2^(byte-127) is representable in bf16
 // (every e4m3 value for bytes 3..246). Byte 255 (the e8m0 NaN) makes the chunk NaN, e4m3 NaN
-// codes stay NaN. Fast path (integer bit placement + one bf16 multiply by 2^(byte-7), a normal
-// bf16 for bytes <= 134, which covers real tensors); anything else takes the fp32 path.
+// codes stay NaN. Two paths: the integer one (bit placement + one bf16 multiply by
+// 2^(byte-7), a normal bf16 for bytes <= 134, which covers real tensors) where
+// `integer_path_ok`, else the general fp32 one. `dequant16` picks per chunk; the GEMM tests
+// its four chunks of a k-block at once and branches once.
+__device__ __forceinline__ bool integer_path_ok(const uint4& q, uint32_t byte) {
+  return byte <= 134u && !has_nan_code(q);
+}
+
+__device__ __forceinline__ void dequant16_integer(const uint4& q, uint32_t byte, uint4& lo, uint4& hi) {
+  const uint32_t f = ((byte + 120u) << 7) * 0x00010001u;
+  lo = make_uint4(bf16x2_mul(bf16x2_bits_from_e4m3<0, 1>(q.x), f), bf16x2_mul(bf16x2_bits_from_e4m3<2, 3>(q.x), f),
+                  bf16x2_mul(bf16x2_bits_from_e4m3<0, 1>(q.y), f), bf16x2_mul(bf16x2_bits_from_e4m3<2, 3>(q.y), f));
+  hi = make_uint4(bf16x2_mul(bf16x2_bits_from_e4m3<0, 1>(q.z), f), bf16x2_mul(bf16x2_bits_from_e4m3<2, 3>(q.z), f),
+                  bf16x2_mul(bf16x2_bits_from_e4m3<0, 1>(q.w), f), bf16x2_mul(bf16x2_bits_from_e4m3<2, 3>(q.w), f));
+}
+
+__device__ __forceinline__ void dequant16_general(const uint4& q, uint32_t byte, uint4& lo, uint4& hi) {
+  const float factor = dequant_factor(byte);
+  lo = make_uint4(bf16x2_from_e4m3x2(q.x & 0xffffu, factor), bf16x2_from_e4m3x2(q.x >> 16, factor),
+                  bf16x2_from_e4m3x2(q.y & 0xffffu, factor), bf16x2_from_e4m3x2(q.y >> 16, factor));
+  hi = make_uint4(bf16x2_from_e4m3x2(q.z & 0xffffu, factor), bf16x2_from_e4m3x2(q.z >> 16, factor),
+                  bf16x2_from_e4m3x2(q.w & 0xffffu, factor), bf16x2_from_e4m3x2(q.w >> 16, factor));
+}
+
 __device__ __forceinline__ void dequant16(const uint4& q, uint32_t byte, uint4& lo, uint4& hi) {
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-  uint32_t o[8];
-  if (byte <= 134u && !(has_nan_code(q.x) | has_nan_code(q.y) | has_nan_code(q.z) | has_nan_code(q.w))) {
-    const uint32_t f = ((byte + 120u) << 7) * 0x00010001u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[2 * i] = bf16x2_mul(bf16x2_bits_from_e4m3_lanes(__byte_perm(w[i], 0, 0x4140)), f);
-      o[2 * i + 1] = bf16x2_mul(bf16x2_bits_from_e4m3_lanes(__byte_perm(w[i], 0, 0x4342)), f);
-    }
-  } else {
-    const float factor = dequant_factor(byte);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[2 * i] = bf16x2_from_e4m3x2(w[i] & 0xffffu, factor);
-      o[2 * i + 1] = bf16x2_from_e4m3x2(w[i] >> 16, factor);
-    }
-  }
-  lo = make_uint4(o[0], o[1], o[2], o[3]);
-  hi = make_uint4(o[4], o[5], o[6], o[7]);
+  if (integer_path_ok(q, byte))
+    dequant16_integer(q, byte, lo, hi);
+  else
+    dequant16_general(q, byte, lo, hi);
 }
 
 // Byte offset of scale (r, s) in the blocked layout of an (R, S) scale matrix (DESIGN §6).
