@@ -4,7 +4,9 @@
 //   producers              token rows gathered from x (cp.async) or h rows (TMA); weights as
 //                          bf16 boxes (TMA) or e4m3 boxes + their blocked scales (TMA + bulk copy)
 //   consumers              two warpgroups, m64n128k16 bf16 wgmma, fp32 accumulators
-//   epilogues              SwiGLU (gate/up GEMM) or router weight (down GEMM), bf16 stores
+//   epilogues              SwiGLU (gate/up GEMM) or router weight (down GEMM), bf16 out: the
+//                          bf16 path stages its blocks in shared memory for TMA stores
+//                          (StagedStore), the MXFP8 path stores from registers
 //
 // bf16 (moe_gemm_kernel<Weights::kBf16>): tokens are the M side, 128 x 256 x 64 tiles (128 gate + 128 up
 // columns, or 256 output columns). MXFP8 (Weights::kMxfp8): the weights are the M side,
