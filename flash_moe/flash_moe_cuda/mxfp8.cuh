@@ -112,7 +112,8 @@ __device__ __forceinline__ void dequant16(const uint4& q, uint32_t byte, uint4& 
 }
 
 // Byte offset of scale (r, s) in the blocked layout of an (R, S) scale matrix (DESIGN §6).
-__host__ __device__ __forceinline__ int64_t blocked_offset(int64_t r, int64_t s, int64_t S) {
+// Unsigned, so the divisions and remainders by powers of two are shifts and masks.
+__host__ __device__ __forceinline__ uint64_t blocked_offset(uint64_t r, uint32_t s, uint32_t S) {
   return ((r / 128) * ((S + 3) / 4) + s / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + s % 4;
 }
 

@@ -109,10 +109,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
 #pragma unroll
       for (int o = G::kLanesPerBlock; o < G::kLanesPerUnit; o <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
       const int s = 4 * j[c] + (words ? 0 : b);
-      // blocked: mx::blocked_offset(r, s, S) in shifts and masks (r >= 0)
-      const int64_t off = blocked ? ((r[c] >> 7) * S4 + (s >> 2)) * 512 + (r[c] & 31) * 16 + ((r[c] >> 5) & 3) * 4 +
-                                        (s & 3)
-                                  : r[c] * S + s;
+      const int64_t off = blocked ? (int64_t)mx::blocked_offset(r[c], s, S) : r[c] * S + s;
       if (r[c] < out_rows) {
         if (words) {
           if (ul == 0) *reinterpret_cast<uint32_t*>(scales + off) = word;
