@@ -162,17 +162,21 @@ cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
-// Workspace: [x as bf16 (mxfp8 only)] h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32.
+// Workspace: [x as bf16 (mxfp8 only)] h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 |
+// tile counters of the two GEMMs, int32.
+constexpr int kCounterInts = 2;
 struct Workspace {
   __nv_bfloat16* x_bf16;
   __nv_bfloat16* h;
   __nv_bfloat16* Y;
   int32_t* inv;
+  int32_t* tile_counters;
+  int64_t n_slots;
   static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x) {
     return (with_x ? align256((size_t)M * K * 2) : 0) + align256((size_t)L * I * 2) + align256((size_t)L * K * 2) +
-           align256((size_t)M * top_k * 4);
+           align256((size_t)M * top_k * 4) + align256(kCounterInts * 4);
   }
-  Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, bool with_x) {
+  Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x) : n_slots(M * top_k) {
     uint8_t* p = static_cast<uint8_t*>(base);
     x_bf16 = with_x ? reinterpret_cast<__nv_bfloat16*>(p) : nullptr;
     p += with_x ? align256((size_t)M * K * 2) : 0;
@@ -181,6 +185,14 @@ struct Workspace {
     Y = reinterpret_cast<__nv_bfloat16*>(p);
     p += align256((size_t)L * K * 2);
     inv = reinterpret_cast<int32_t*>(p);
+    p += align256((size_t)n_slots * 4);
+    tile_counters = reinterpret_cast<int32_t*>(p);
+  }
+  // Before the GEMMs: inv = -1 (no position), tile counters = 0.
+  cudaError_t clear(cudaStream_t stream) const {
+    cudaError_t err = cudaMemsetAsync(inv, 0xFF, (size_t)n_slots * 4, stream);
+    if (err != cudaSuccess) return err;
+    return cudaMemsetAsync(tile_counters, 0, kCounterInts * 4, stream);
   }
 };
 
@@ -204,6 +216,7 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p1.K = (int)K;
   p1.n_out = (int)I;
   p1.num_n = (int)((I + 127) / 128);
+  p1.tile_counter = ws.tile_counters;
   p1.b_second = (int)I;  // up rows follow the I gate rows
   p1.b_rows = (int)(2 * I);
   p2 = p1;
@@ -212,6 +225,7 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p2.K = (int)I;
   p2.n_out = (int)K;
   p2.num_n = (int)((K + 255) / 256);
+  p2.tile_counter = ws.tile_counters + 1;
   p2.b_second = 128;  // the two 128-row halves of a 256-column tile
   p2.b_rows = (int)K;
 }
@@ -248,8 +262,8 @@ size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t 
 cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if (a.stages != 3 && a.stages != 4) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, false);
-  cudaError_t err = cudaMemsetAsync(ws.inv, 0xFF, (size_t)a.M * a.top_k * 4, stream);
+  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, false);
+  cudaError_t err = ws.clear(stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
     CUtensorMap tm_w, tm_h, tm_w2, tm_h_out, tm_y_out;
@@ -273,8 +287,8 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
 cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
   if (a.stages != kMxfp8Stages || a.K % 64 != 0 || a.I % 64 != 0) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, true);
-  cudaError_t err = cudaMemsetAsync(ws.inv, 0xFF, (size_t)a.M * a.top_k * 4, stream);
+  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, true);
+  cudaError_t err = ws.clear(stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
     // x is read top_k times by the gather: dequantize it once (M*K*3 bytes, ~1% of the op).
