@@ -308,8 +308,9 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)((a.I / kMxfp8ScaleBlock + 3) / 4);
     p2.scale_row_groups = (int)((a.E * a.K + 127) / 128);
-    // (the MXFP8 epilogues store from registers: their output maps are unused)
-    err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, tm_h, tm_h, p1, p2, stream);
+    // The MXFP8 epilogues store from registers: no output maps.
+    const CUtensorMap no_map{};
+    err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);

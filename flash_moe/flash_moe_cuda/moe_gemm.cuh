@@ -568,7 +568,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         if (b == 0) q_off[h] = Plan::kTokBytes + box * Plan::kFp8BoxBytes + rib * 64 + ((cq ^ ((rib >> 1) & 3)) << 4);
         sc_off[b][h] = Plan::kTokBytes + 2 * Plan::kFp8BoxBytes +
                        (box * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
-                       (uint32_t)((g % 32) * 16 + ((g % 128) / 32) * 4 + (cq >> 1));
+                       (uint32_t)mx::blocked_offset_in_chunk((uint64_t)g, cq >> 1);
       }
     // A fragments of k-block kb: 16 e4m3 bytes per (block, half), dequantized to 8 bf16 pairs.
     // All eight shared loads are issued first and the four chunks take one branch together, so

@@ -111,10 +111,16 @@ __device__ __forceinline__ void dequant16(const uint4& q, uint32_t byte, uint4& 
     dequant16_general(q, byte, lo, hi);
 }
 
-// Byte offset of scale (r, s) in the blocked layout of an (R, S) scale matrix (DESIGN §6).
-// Unsigned, so the divisions and remainders by powers of two are shifts and masks.
+// The blocked layout of an (R, S) scale matrix (DESIGN §6): 512-byte chunks of 128 rows x 4
+// columns, chunk (r / 128, s / 4) at ((r / 128) * ceil(S / 4) + s / 4) * 512. Unsigned, so the
+// divisions and remainders by powers of two are shifts and masks.
+// Byte offset of scale (r, s) inside its chunk.
+__host__ __device__ __forceinline__ uint64_t blocked_offset_in_chunk(uint64_t r, uint32_t s) {
+  return (r % 32) * 16 + ((r % 128) / 32) * 4 + s % 4;
+}
+// Byte offset of scale (r, s).
 __host__ __device__ __forceinline__ uint64_t blocked_offset(uint64_t r, uint32_t s, uint32_t S) {
-  return ((r / 128) * ((S + 3) / 4) + s / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + s % 4;
+  return ((r / 128) * ((S + 3) / 4) + s / 4) * 512 + blocked_offset_in_chunk(r, s);
 }
 
 }  // namespace mx
