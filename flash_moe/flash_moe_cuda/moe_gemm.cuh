@@ -83,9 +83,8 @@ struct TileOrder {
 // so the tiles running at any moment are neighbours in that order and read their shared rows
 // from L2 at nearly the same time. (A static split -- CTA b taking tiles b, b + grid, ... --
 // let the CTAs drift apart: at E = 256 the bf16 weights were read 2.4 times from DRAM, 1.8
-// times with the counter.) Blocks whose
-// expert is outside [0, E) are skipped, so corrupted routing buffers cannot send a CTA out of
-// bounds.
+// times with the counter.) Blocks whose expert is outside [0, E) are skipped, so corrupted
+// routing buffers cannot send a CTA out of bounds.
 __device__ Tile claim_tile(const GemmParams& p, const TileOrder& order) {
   for (;;) {
     const int t = atomicAdd(p.tile_counter, 1);
@@ -581,9 +580,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       for (int b = 0; b < 2; ++b)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                       : "=r"(q[b][h].x), "=r"(q[b][h].y), "=r"(q[b][h].z), "=r"(q[b][h].w)
-                       : "r"(stage + q_off[h] + b * kBlockStride));
+          q[b][h] = ld_shared_v4(stage + q_off[h] + b * kBlockStride);
           asm volatile("ld.shared.u8 %0, [%1];" : "=r"(byte[b][h]) : "r"(stage + sc_off[b][h] + 2 * (kb & 1)));
         }
       bool integer_ok = true;
