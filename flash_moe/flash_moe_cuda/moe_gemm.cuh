@@ -396,6 +396,20 @@ __device__ __forceinline__ void stage_weighted(const StagedStore& st, const CUte
   }
 }
 
+// ---------------------------------------------------------------- consumer thread
+// Both formats' consumers: a thread's warpgroup cw (0 or 1; warpgroup 0 is the producer), its
+// warp w4 in that warpgroup and its lane, and two m64n128 fp32 accumulators zeroed once (the
+// first wgmma of every tile overwrites them; zeroing only gives them a defined start).
+struct ConsumerThread {
+  int cw = threadIdx.x / 128 - 1;
+  int w4 = (threadIdx.x / 32) & 3;
+  int lane = threadIdx.x & 31;
+};
+__device__ __forceinline__ void zero_fill(float (&acc)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+}
+
 // ---------------------------------------------------------------- consumer
 // Each consumer warpgroup owns 64 rows of the tile and two m64n128 accumulators (gate/up, or
 // the two 128-column halves of the down tile). A stage is released (empty barrier, one
@@ -404,16 +418,12 @@ template <Kind kKind, int kStages>
 __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars,
                              const TileSlots& slots, int nk) {
   using Plan = SmemPlan<kStages>;
-  const int cw = threadIdx.x / 128 - 1;
+  const ConsumerThread me;
+  const int cw = me.cw, w4 = me.w4, lane = me.lane;
   const StagedStore staged(sbase + Plan::kEpiOffset, cw);
-  const int w4 = (threadIdx.x / 32) & 3;
-  const int lane = threadIdx.x & 31;
   float acc0[64], acc1[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    acc0[i] = 0.f;
-    acc1[i] = 0.f;
-  }
+  zero_fill(acc0);
+  zero_fill(acc1);
   for (uint32_t it = 0;;) {
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
@@ -533,16 +543,12 @@ template <Kind kKind, int kStages>
 __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, const TileSlots& slots,
                               int nk) {
   using Plan = Mxfp8Plan<kStages>;
-  const int cw = threadIdx.x / 128 - 1;
-  const int w4 = (threadIdx.x / 32) & 3;
-  const int lane = threadIdx.x & 31;
+  const ConsumerThread me;
+  const int cw = me.cw, w4 = me.w4, lane = me.lane;
   const int cq = lane & 3;  // this thread's 16-byte chunk of every 64-byte e4m3 row
   float acc0[64], acc1[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) {
-    acc0[i] = 0.f;
-    acc1[i] = 0.f;
-  }
+  zero_fill(acc0);
+  zero_fill(acc1);
   uint32_t it = 0;
   for (;;) {
     const Tile tile = wait_tile(bars, slots, it);
