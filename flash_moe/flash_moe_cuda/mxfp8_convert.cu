@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
 }
 
 // One thread per 16 elements (half a scale block). kK64Permuted: every 64-wide K block is
-// written K-permuted for the MXFP8 GEMM's register-operand path (moe_gemm.cuh, kperm):
+// written K-permuted for the MXFP8 GEMM's register-operand path (moe_gemm_consumer_mxfp8.cuh, kperm):
 // logical 16c + 4s + j -> physical 16s + 8(j >> 1) + 2c + (j & 1); a thread's 16 elements are
 // one c of one block.
 template <bool kK64Permuted>

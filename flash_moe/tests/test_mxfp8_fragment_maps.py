@@ -1,4 +1,4 @@
-"""CPU check of the MXFP8 kernel's index maps (moe_gemm.cuh, namespace kperm).
+"""CPU check of the MXFP8 kernel's index maps (moe_gemm_consumer_mxfp8.cuh, namespace kperm).
 
 The kernel feeds wgmma's register operand with weight rows dequantized from one 16-byte e4m3
 load per row and k-block, which works only if the bf16 token operand is stored with K

@@ -1,0 +1,208 @@
+// The MXFP8 path's consumer warpgroups: e4m3 weights dequantized in registers into wgmma's A
+// operand, tokens from shared memory as B, epilogues storing from registers.
+#pragma once
+
+#include "moe_gemm_consumer.cuh"
+#include "mxfp8.cuh"
+
+namespace flash_moe {
+namespace gemm {
+
+// ---------------------------------------------------------------- MXFP8: weights in registers
+// The weights are the M-side operand (h^T = W x^T, Y^T = W2 h^T) so
+// the consumer can dequantize them in registers and feed wgmma with A from registers, as
+// CUTLASS's mixed-input Hopper GEMM does; nothing is written back to shared memory. Tokens
+// (x as bf16, or h) are the B operand, as a 128-token x 64 tile in the 128-byte swizzle.
+//
+// One 16-byte e4m3 load must hold exactly a thread's A-fragment bytes for the 4 k16 steps of
+// a k-block (lane l: k = 2(l%4) + {0,1} and + 8 of each step). So inside every 64-wide K
+// block the bf16 B operand is stored with its K permuted: logical 16c + 4s + j is kept at
+// physical 16s + 8(j >> 1) + 2c + (j & 1), and thread l loads logical bytes [16(l%4), +16).
+// x gets the permutation from the dequantizing pre-pass, h from the gate/up epilogue.
+namespace kperm {
+__host__ __device__ constexpr int physical(int logical) {
+  return 16 * ((logical >> 2) & 3) + 8 * ((logical & 3) >> 1) + 2 * (logical >> 4) + (logical & 1);
+}
+// Which row of a 64-row weight block feeds fragment row r. Rows r and r + 8 of a thread then
+// produce adjacent output columns: physical h column (gate/up) or output feature (down)
+// 16(r/16) + 2(r%8) + (r/8)%2, so the epilogue stores bf16 pairs.
+__host__ __device__ constexpr int pair_column(int r) { return 16 * (r >> 4) + 2 * (r & 7) + ((r >> 3) & 1); }
+__host__ __device__ constexpr int gate_up_row(int r) {  // logical h feature whose physical column is pair_column(r)
+  return 16 * (r & 3) + 4 * (r >> 4) + 2 * ((r >> 2) & 1) + ((r >> 3) & 1);
+}
+__host__ __device__ constexpr bool maps_consistent() {  // also replayed on the CPU: test_mxfp8_fragment_maps.py
+  for (int r = 0; r < 64; ++r) {
+    if (physical(gate_up_row(r)) != pair_column(r)) return false;  // gate/up rows land on their pair columns
+    if ((r & 8) && pair_column(r) != pair_column(r - 8) + 1) return false;  // rows r, r+8 -> one bf16x2
+  }
+  return true;
+}
+static_assert(maps_consistent(), "kperm maps");
+}  // namespace kperm
+
+// The weight rows of one consumer thread: fragment rows r0 = 16w + l/4 and r0 + 8 of the
+// warpgroup's two m64 blocks. Gate/up: block 0 = gate, block 1 = up, both for the warpgroup's
+// 64 h features; down: the warpgroup's 128 output features as two blocks.
+template <Kind kKind>
+__device__ __forceinline__ int mxfp8_tile_row(int cw, int block, int r) {
+  if (kKind == Kind::kGateUp) return block * 128 + 64 * cw + kperm::gate_up_row(r);
+  return cw * 128 + 64 * block + kperm::pair_column(r);
+}
+
+template <Kind kKind, int kStages>
+__device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, const TileSlots& slots,
+                              int nk) {
+  using Plan = Mxfp8Plan<kStages>;
+  const ConsumerThread me;
+  const int cw = me.cw, w4 = me.w4, lane = me.lane;
+  const int cq = lane & 3;  // this thread's 16-byte chunk of every 64-byte e4m3 row
+  float acc0[64], acc1[64];
+  zero_fill(acc0);
+  zero_fill(acc1);
+  uint32_t it = 0;
+  for (;;) {
+    const Tile tile = wait_tile(bars, slots, it);
+    if (tile.m0 < 0) break;
+    const int n0 = n_origin<kKind>(tile);
+    // per (block, half): row in the 256-row e4m3 tile, its box, validity, scale location
+    // A thread's e4m3 chunk of block 1 sits a fixed distance after block 0's (the other box,
+    // or 64 rows further in the same box, same swizzle phase): one offset per half.
+    constexpr uint32_t kBlockStride = kKind == Kind::kGateUp ? Plan::kFp8BoxBytes : 64 * 64;
+    uint32_t q_off[2], sc_off[2][2];
+    bool live[2][2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mxfp8_tile_row<kKind>(cw, b, 16 * w4 + (lane >> 2) + 8 * h);
+        const int box = row >> 7, rib = row & 127;
+        const int box_row0 = n0 + (box ? p.b_second : 0);
+        const int64_t g0 = (int64_t)tile.e * p.b_rows + box_row0;
+        const int64_t g = g0 + rib;
+        live[b][h] = box_row0 + rib < p.b_rows;
+        if (b == 0) q_off[h] = Plan::kTokBytes + box * Plan::kFp8BoxBytes + rib * 64 + ((cq ^ ((rib >> 1) & 3)) << 4);
+        sc_off[b][h] = Plan::kTokBytes + 2 * Plan::kFp8BoxBytes +
+                       (box * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
+                       (uint32_t)mx::blocked_offset_in_chunk((uint64_t)g, cq >> 1);
+      }
+    // A fragments of k-block kb: 16 e4m3 bytes per (block, half), dequantized to 8 bf16 pairs.
+    // All eight shared loads are issued first and the four chunks take one branch together, so
+    // their conversions interleave. Rows past the expert's end are zero (TMA fill); their scale
+    // byte, read from the neighbouring rows' scales, is replaced by 0.
+    auto load_fragments = [&](uint32_t stage, int kb, uint32_t(&a)[2][2][8]) {
+      uint4 q[2][2];
+      uint32_t byte[2][2];
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          q[b][h] = ld_shared_v4(stage + q_off[h] + b * kBlockStride);
+          asm volatile("ld.shared.u8 %0, [%1];" : "=r"(byte[b][h]) : "r"(stage + sc_off[b][h] + 2 * (kb & 1)));
+        }
+      bool integer_ok = true;
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          byte[b][h] = live[b][h] ? byte[b][h] : 0u;
+          integer_ok &= mx::integer_path_ok(q[b][h], byte[b][h]);
+        }
+      auto convert = [&](auto dequant) {
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint4 lo, hi;
+            dequant(q[b][h], byte[b][h], lo, hi);
+            a[b][h][0] = lo.x; a[b][h][1] = lo.y; a[b][h][2] = lo.z; a[b][h][3] = lo.w;
+            a[b][h][4] = hi.x; a[b][h][5] = hi.y; a[b][h][6] = hi.z; a[b][h][7] = hi.w;
+          }
+      };
+      if (integer_ok)
+        convert(mx::dequant16_integer);
+      else
+        convert(mx::dequant16_general);
+    };
+    // Software pipeline: while the wgmmas of k-block kb run, the next k-block's fragments are
+    // loaded and dequantized into the other register set, so the tensor cores of this warpgroup
+    // wait only for the issue of the next batch, not for a whole conversion. The two sets swap
+    // roles every k-block (the loop body is written out twice, so no register copies).
+    auto step = [&](const uint32_t(&a)[2][2][8], uint32_t(&a_next)[2][2][8], int kb) {
+      const int s = it % kStages;
+      const uint32_t stage = sbase + s * Plan::kStageBytes;
+      wgmma_fence();
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        // k16 step st: logical bytes 4st..4st+3 of the thread's chunk = pairs 2st, 2st+1
+        const uint64_t db = make_desc_sw128(stage + st * 32);
+        const int sc = (kb > 0 || st > 0) ? 1 : 0;
+        const uint32_t f0[4] = {a[0][0][2 * st], a[0][1][2 * st], a[0][0][2 * st + 1], a[0][1][2 * st + 1]};
+        const uint32_t f1[4] = {a[1][0][2 * st], a[1][1][2 * st], a[1][0][2 * st + 1], a[1][1][2 * st + 1]};
+        wgmma_m64n128k16_bf16_rs(acc0, f0, db, sc);
+        wgmma_m64n128k16_bf16_rs(acc1, f1, db, sc);
+      }
+      wgmma_commit();
+      if (kb + 1 < nk) {
+        const uint32_t n = it + 1;
+        mbar_wait(bars.full(n % kStages), (n / kStages) & 1);
+        load_fragments(sbase + (n % kStages) * Plan::kStageBytes, kb + 1, a_next);
+      }
+      wgmma_wait<0>();  // a is rewritten by the step after next; the other warpgroup fills the gap
+      if (lane == 0) mbar_arrive(bars.empty(s));
+      ++it;
+    };
+    uint32_t fa[2][2][8], fb[2][2][8];
+    load_fragments(sbase + (it % kStages) * Plan::kStageBytes, 0, fa);
+    for (int kb = 0; kb < nk; kb += 2) {
+      step(fa, fb, kb);
+      if (kb + 1 < nk) step(fb, fa, kb + 1);
+    }
+
+    // ---------------------------------------------------------- epilogue (transposed tiles)
+    // Thread holds rows r0 = 16 w4 + l/4 and r0 + 8 (one bf16 pair of output columns) for
+    // tokens 8j + 2(l%4) + {0, 1}, j = 0..15.
+    const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
+    if (kKind == Kind::kGateUp) {
+      const int col = n0 + 64 * cw + pc;  // physical h column (K-permuted for the down GEMM)
+      if (n0 + 64 * cw < p.n_out) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tok = tile.m0 + 8 * j + 2 * cq + e;
+            const float g0 = acc0[4 * j + e], g1 = acc0[4 * j + 2 + e];
+            const float u0 = acc1[4 * j + e], u1 = acc1[4 * j + 2 + e];
+            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)tok * p.ldo + col) =
+                __floats2bfloat162_rn(silu_times(g0, u0), silu_times(g1, u1));
+          }
+      }
+    } else {
+      float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kBM;
+      const int q = threadIdx.x & 127;
+      named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
+      {
+        const int sid = p.sorted_ids[tile.m0 + q];
+        wt[q] = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
+      }
+      named_barrier_sync(2 + cw, 128);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int col = n0 + 128 * cw + 64 * b + pc;  // output feature
+        if (col >= p.n_out) continue;
+        const float(&acc)[64] = b ? acc1 : acc0;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int tl = 8 * j + 2 * cq + e;
+            const float wv = wt[tl];
+            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)(tile.m0 + tl) * p.ldo + col) =
+                __floats2bfloat162_rn(acc[4 * j + e] * wv, acc[4 * j + 2 + e] * wv);
+          }
+      }
+    }
+  }
+}
+
+}  // namespace gemm
+}  // namespace flash_moe

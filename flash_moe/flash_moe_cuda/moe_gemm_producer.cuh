@@ -1,0 +1,168 @@
+// The producer warpgroup of the grouped GEMM: the token gather (GatherA, cp.async), the e4m3
+// weight and scale fetch (E4m3Weights), and the producer loop both formats share
+// (produce_tiles) with each format's per-stage loads (produce_bf16, produce_mxfp8).
+#pragma once
+
+#include "moe_gemm_stages.cuh"
+
+namespace flash_moe {
+namespace gemm {
+
+// ---------------------------------------------------------------- producer: A operand
+// Gate/up A: token rows gathered from x by kGatherThreads threads. Thread t copies 16-byte
+// chunk (t % 8) of rows t/8 + j*kGatherThreads/8 straight into the 128-byte-swizzled layout
+// wgmma reads; padding rows are zero-filled (src-size 0). The arrive on the stage's full
+// barrier fires asynchronously when the thread's copies have landed (CUTLASS's SM90 cp.async
+// mainloop does the same), so the gathering threads never wait for their own loads.
+template <int kGatherThreads>
+struct GatherA {
+  static constexpr int kRowStep = kGatherThreads / 8;
+  static constexpr int kRows = kBM / kRowStep;  // rows per thread
+  const __nv_bfloat16* src[kRows];
+  uint32_t okmask;
+  int c, r0;
+  uint32_t swz;
+  __device__ GatherA() {
+    const int t = threadIdx.x;
+    c = t & 7;
+    r0 = t >> 3;
+    swz = (uint32_t)((c ^ (r0 & 7)) << 4);  // rows r0 + j*kRowStep share r0's swizzle phase
+  }
+  __device__ void begin_tile(const GemmParams& p, const Tile& tile) {
+    okmask = 0;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int sid = p.sorted_ids[tile.m0 + r0 + kRowStep * j];
+      const bool ok = sid >= 0 && sid < p.n_slots;
+      okmask |= (ok ? 1u : 0u) << j;
+      src[j] = p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8;
+    }
+  }
+  __device__ void issue(const GemmParams& p, int kb, uint32_t a_smem, uint32_t full_bar) const {
+    const bool kok = kb * kBK + c * 8 < p.K;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const bool ok = kok && ((okmask >> j) & 1u);
+      const uint32_t dst = a_smem + (uint32_t)(r0 + kRowStep * j) * 128u + swz;
+      cp_async_16(dst, ok ? (const void*)(src[j] + kb * kBK) : (const void*)p.x, ok ? 16u : 0u);
+    }
+    cp_async_arrive_noinc(full_bar);
+  }
+};
+
+// ---------------------------------------------------------------- producer: e4m3 weights
+// The e4m3 part of a stage (E4m3Stage): two weight boxes by TMA, their scale chunks by bulk copy.
+template <Kind kKind>
+struct E4m3Weights {
+  static constexpr int kBoxBytes = E4m3Stage::kBoxBytes;
+  static constexpr int kScaleChunk = E4m3Stage::kScaleChunk;
+
+  __device__ static void box_rows(const GemmParams& p, const Tile& t, int (&row0)[2]) {
+    row0[0] = n_origin<kKind>(t);
+    row0[1] = row0[0] + p.b_second;
+  }
+
+  // One thread: TMA both boxes and bulk-copy their scale chunks into `slot` ([box 0][box 1]
+  // [scales]), completing on `bar`.
+  __device__ static void fetch(const CUtensorMap& tmB, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
+                               uint32_t bar, uint32_t extra_tx = 0) {
+    int row0[2];
+    box_rows(p, t, row0);
+    const uint8_t* src[2][2];
+    uint32_t bytes = 2 * kBoxBytes;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int64_t g0 = (int64_t)t.e * p.b_rows + row0[b];
+      const int64_t grp = g0 / 128;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const bool need = (j == 0 || g0 % 128 != 0) && grp + j < p.scale_row_groups;
+        src[b][j] = need ? p.b_scales + ((grp + j) * p.scale_col_groups + kb / 2) * kScaleChunk : nullptr;
+        bytes += need ? kScaleChunk : 0;
+      }
+    }
+    mbar_arrive_expect_tx(bar, bytes + extra_tx);  // extra_tx: what the caller adds on `bar`
+    tma_load_3d(slot, &tmB, kb * kBK, row0[0], t.e, bar);
+    tma_load_3d(slot + kBoxBytes, &tmB, kb * kBK, row0[1], t.e, bar);
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+        if (src[b][j])
+          bulk_load(slot + 2 * kBoxBytes + (b * 2 + j) * kScaleChunk, src[b][j], kScaleChunk,
+                    bar);
+  }
+
+};
+
+// ---------------------------------------------------------------- producers
+// The producer loop of both weight formats: claim tiles until the schedule ends, fill one stage
+// per k-block, publish each tile with its k-block 0, and end with a stage whose slot says
+// m0 = -1. A stage starts with the 128 token rows; the gate/up GEMM's 128 producer threads
+// gather them, and thread 0 issues the rest (`load_stage(tile, kb, stage, full_bar)`: the
+// weights, and the down GEMM's h rows).
+template <Kind kKind, int kStages, int kStageBytes, class LoadStage>
+__device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
+                              int nk, LoadStage load_stage) {
+  constexpr int kProducers = kKind == Kind::kGateUp ? 128 : 1;
+  if (threadIdx.x >= kProducers) return;
+  const TileOrder order(p);
+  GatherA<128> gather;
+  uint32_t it = 0;
+  for (;;) {
+    const Tile tile = slots.next(p, order, kProducers);
+    if (tile.m0 < 0) break;
+    if (kKind == Kind::kGateUp) gather.begin_tile(p, tile);
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      const uint32_t stage = sbase + s * kStageBytes;
+      mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
+      if (threadIdx.x == 0) {
+        if (kb == 0) TileSlots::put(slots.stage(s), tile);  // before the arrive in load_stage
+        load_stage(tile, kb, stage, bars.full(s));
+      }
+      if (kKind == Kind::kGateUp) gather.issue(p, kb, stage, bars.full(s));
+    }
+  }
+  const int s = it % kStages;
+  mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
+  if (threadIdx.x == 0) {
+    TileSlots::put(slots.stage(s), Tile{-1, 0, 0});
+    mbar_arrive(bars.full(s));
+  }
+  if (kKind == Kind::kGateUp) {
+    mbar_arrive(bars.full(s));  // with thread 0's second arrive: full_arrivals<kGateUp>()
+    cp_async_wait_all();
+  }
+}
+
+template <Kind kKind, int kStages>
+__device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
+                             const Barriers<kStages>& bars, TileSlots& slots, int nk) {
+  using Plan = SmemPlan<kStages>;
+  produce_tiles<kKind, kStages, Plan::kStageBytes>(
+      p, sbase, bars, slots, nk, [&](const Tile& tile, int kb, uint32_t a_s, uint32_t full) {
+        const int n0 = n_origin<kKind>(tile);
+        const uint32_t b_s = a_s + Plan::kABytes;
+        mbar_arrive_expect_tx(full, 2 * Plan::kBBoxBytes + (kKind == Kind::kDown ? Plan::kABytes : 0));
+        if (kKind == Kind::kDown) tma_load_2d(a_s, &tmA, kb * kBK, tile.m0, full);
+        tma_load_3d(b_s, &tmB, kb * kBK, n0, tile.e, full);
+        tma_load_3d(b_s + Plan::kBBoxBytes, &tmB, kb * kBK, n0 + p.b_second, tile.e, full);
+      });
+}
+
+
+template <Kind kKind, int kStages>
+__device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
+                              const Barriers<kStages>& bars, TileSlots& slots, int nk) {
+  using Plan = Mxfp8Plan<kStages>;
+  produce_tiles<kKind, kStages, Plan::kStageBytes>(
+      p, sbase, bars, slots, nk, [&](const Tile& tile, int kb, uint32_t tok, uint32_t full) {
+        E4m3Weights<kKind>::fetch(tmB, p, tile, kb, tok + Plan::kTokBytes, full,
+                                  kKind == Kind::kDown ? Plan::kTokBytes : 0);
+        if (kKind == Kind::kDown) tma_load_2d(tok, &tmA, kb * kBK, tile.m0, full);
+      });
+}
+
+}  // namespace gemm
+}  // namespace flash_moe

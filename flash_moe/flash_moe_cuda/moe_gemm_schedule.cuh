@@ -1,0 +1,116 @@
+// The grouped GEMM's parameters and its schedule: which tile a CTA computes next (TileOrder,
+// claim_tile: tiles claimed in order from a global counter) and how the producer hands a tile
+// to the consumers (TileSlots).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "flash_moe.cuh"
+#include "sm90.cuh"
+
+namespace flash_moe {
+namespace gemm {
+
+using namespace sm90;
+
+constexpr int kBM = kBlockM;  // 128 rows (slots) per tile
+constexpr int kBK = 64;       // 64 bf16 = 128 bytes: one swizzle-128B row
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+
+enum class Kind { kGateUp, kDown };
+
+struct GemmParams {
+  const __nv_bfloat16* x;        // kGateUp: the gathered A source (M, K) bf16
+  const int32_t* sorted_ids;
+  const int32_t* expert_ids;
+  const int32_t* ntpp;
+  const float* topk_weights;     // kDown
+  __nv_bfloat16* out;            // kGateUp: h (L, I); kDown: Y (L, Kd)
+  int64_t lda;                   // kGateUp: row stride of x (= K)
+  int64_t ldo;                   // row stride of out
+  int L;                         // sorted_ids length
+  int n_slots;                   // M * top_k (the padding sentinel)
+  int top_k;
+  int E;
+  int K;                         // reduction length
+  int n_out;                     // valid output columns
+  int num_n;                     // n-blocks per m-block
+  int* tile_counter;             // tiles claimed so far (zero before the launch)
+  int b_second;                  // row offset of the second weight box from the first
+  // MXFP8 only: weight scales in the blocked layout of the (E * b_rows, K/32) scale matrix.
+  const uint8_t* b_scales;
+  int b_rows;                    // rows of B per expert (2I for gate/up, Kd for down)
+  int scale_col_groups;          // ceil((K/32) / 4): 512-byte chunks per 128-row group
+  int scale_row_groups;          // ceil(E * b_rows / 128)
+};
+
+// ---------------------------------------------------------------- scheduler
+struct Tile {
+  int m0, nb, e;  // m0 < 0: the end of the schedule
+};
+
+// The (m-block, n-block) grid that num_tokens_post_padded (read on the device) covers, in the
+// order tiles are handed out: the n-blocks of an m-block next to each other (they share its
+// token rows), then the next m-block (an expert's m-blocks are consecutive, so its weight rows
+// are shared num_n tiles apart).
+struct TileOrder {
+  int num_m, num_n;
+  __device__ explicit TileOrder(const GemmParams& p) : num_n(p.num_n) {
+    int ntpp = *p.ntpp;
+    ntpp = ntpp < 0 ? 0 : (ntpp > p.L ? p.L : ntpp);
+    num_m = (ntpp + kBM - 1) / kBM;
+  }
+  __device__ int count() const { return num_m * num_n; }
+};
+
+// Tiles are claimed in TileOrder from a counter in global memory (zeroed before the launch),
+// so the tiles running at any moment are neighbours in that order and read their shared rows
+// from L2 at nearly the same time. (A static split -- CTA b taking tiles b, b + grid, ... --
+// let the CTAs drift apart: at E = 256 the bf16 weights were read 2.4 times from DRAM, 1.8
+// times with the counter.) Blocks whose expert is outside [0, E) are skipped, so corrupted
+// routing buffers cannot send a CTA out of bounds.
+__device__ Tile claim_tile(const GemmParams& p, const TileOrder& order) {
+  for (;;) {
+    const int t = atomicAdd(p.tile_counter, 1);
+    if (t >= order.count()) return Tile{-1, 0, 0};
+    const int mb = t / order.num_n, nb = t - mb * order.num_n;
+    const int e = p.expert_ids[mb];
+    if (e >= 0 && e < p.E) return Tile{mb * kBM, nb, e};
+  }
+}
+
+// Shared-memory tile slots. The producer's thread 0 claims a tile and hands it to the other
+// producer threads through `claim` (two slots alternate, so a write never meets a pending
+// read); the tile then travels with its first k-block: the producer writes it into the slot of
+// the stage that holds k-block 0 before arriving on that stage's full barrier, and the
+// consumers read it after their wait. A stage whose slot says m0 < 0 ends the schedule.
+struct TileSlots {
+  uint32_t base;  // 16 bytes per slot: [2] claim slots, then [stages] stage slots
+  int claims = 0;
+  static constexpr int bytes(int stages) { return (2 + stages) * 16; }
+  __device__ explicit TileSlots(uint32_t addr) : base(addr) {}
+  __device__ uint32_t claim(int i) const { return base + 16 * i; }
+  __device__ uint32_t stage(int s) const { return base + 16 * (2 + s); }
+  __device__ static void put(uint32_t slot, const Tile& t) { st_shared_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, 0u); }
+  __device__ static Tile get(uint32_t slot) {
+    const uint4 v = ld_shared_v4(slot);
+    return Tile{(int)v.x, (int)v.y, (int)v.z};
+  }
+  // Producer threads (all `threads` of them call it): the next tile.
+  __device__ Tile next(const GemmParams& p, const TileOrder& order, int threads) {
+    const uint32_t slot = claim(claims++ & 1);
+    if (threadIdx.x == 0) put(slot, claim_tile(p, order));
+    if (threads > 1) named_barrier_sync(1, threads);
+    return get(slot);
+  }
+};
+
+template <Kind kKind>
+__device__ __forceinline__ int n_origin(const Tile& t) {
+  return t.nb * (kKind == Kind::kGateUp ? 128 : 256);
+}
+
+}  // namespace gemm
+}  // namespace flash_moe

@@ -1,0 +1,74 @@
+// The shared-memory pipeline of the grouped GEMM: what one stage holds for each weight format
+// (SmemPlan, Mxfp8Plan: byte offsets of stages, staging buffers, barriers and slots), the
+// full/empty mbarriers of the stage ring, and the consumers' wait for a tile's first stage.
+#pragma once
+
+#include "moe_gemm_schedule.cuh"
+
+namespace flash_moe {
+namespace gemm {
+
+// bf16 path: a stage is the 128-row token tile and two 128-row weight boxes.
+template <int kStages>
+struct SmemPlan {
+  static constexpr int kABytes = kBM * kBK * 2;     // 16 KB bf16 token tile
+  static constexpr int kBBoxBytes = 128 * kBK * 2;  // 16 KB: one 128-row bf16 weight box
+  static constexpr int kStageBytes = kABytes + 2 * kBBoxBytes;
+  static constexpr int kEpiOffset = kStages * kStageBytes;  // a 64 x 128 bf16 output block per consumer
+  static constexpr int kEpiBytes = 2 * 64 * 128 * 2;
+  static constexpr int kBarOffset = kEpiOffset + kEpiBytes;
+  static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
+  static constexpr int kBytes = kSlotOffset + TileSlots::bytes(kStages);
+  static constexpr int kLaunchBytes = kBytes + 1024;  // slack for the 1024-byte alignment
+};
+
+// MXFP8 path: the e4m3 part of a stage holds the two 128-row weight boxes of a k-block (64-byte
+// rows, TMA swizzle 64B) and the blocked-layout scale chunks covering them (one 512-byte chunk
+// per 128-row group a box overlaps, two when it does not start on a group boundary).
+struct E4m3Stage {
+  static constexpr int kBoxBytes = 128 * kBK;  // 8 KB
+  static constexpr int kScaleChunk = 512;      // 128 rows x 4 scales of the blocked layout
+  static constexpr int kBytes = 2 * kBoxBytes + 2 * 2 * kScaleChunk;
+};
+
+// MXFP8 path: a stage is the 128-row bf16 token tile and the e4m3 weights of the k-block.
+template <int kStages>
+struct Mxfp8Plan {
+  static constexpr int kTokBytes = kBM * kBK * 2;   // 16 KB bf16 token tile (B operand)
+  static constexpr int kFp8BoxBytes = E4m3Stage::kBoxBytes;
+  static constexpr int kScaleChunk = E4m3Stage::kScaleChunk;
+  static constexpr int kStageBytes = kTokBytes + E4m3Stage::kBytes;  // 34 KB
+  static constexpr int kWtOffset = kStages * kStageBytes;  // router weights of the tile, per WG
+  static constexpr int kBarOffset = kWtOffset + 2 * kBM * 4;
+  static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
+  static constexpr int kBytes = kSlotOffset + TileSlots::bytes(kStages);
+  static constexpr int kLaunchBytes = kBytes + 1024;
+  static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
+};
+
+// ---------------------------------------------------------------- barriers
+template <int kStages>
+struct Barriers {
+  uint32_t base;
+  __device__ uint32_t full(int s) const { return base + 8 * s; }
+  __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
+};
+
+// Arrivals that complete a stage: gathered tokens = one cp.async arrival per producer thread,
+// plus thread 0's expect_tx arrive for the weights; down GEMM = thread 0's expect_tx arrive
+// covering tokens and weights.
+template <Kind kKind>
+__host__ __device__ constexpr uint32_t full_arrivals() {
+  return kKind == Kind::kGateUp ? 128u + 1u : 1u;
+}
+
+// Consumers: wait for the stage that starts the next tile and read the tile it carries.
+template <int kStages>
+__device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const TileSlots& slots, uint32_t it) {
+  const int s = it % kStages;
+  mbar_wait(bars.full(s), (it / kStages) & 1);
+  return TileSlots::get(slots.stage(s));
+}
+
+}  // namespace gemm
+}  // namespace flash_moe
