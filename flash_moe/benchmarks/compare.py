@@ -2,8 +2,10 @@
 
 Measures the ceilings (device-to-device copy, 8192^3 bf16 matmul), our op (moe_align INCLUDED
 in the prime-kernels row; the op alone is printed too), the unfused path (sort, gather, three
-torch._grouped_mm, SwiGLU, weight, index_add) and Liger's LigerFusedMoEFunction (autotune off)
-on the DESIGN §9 shapes. CUDA events, median of >= 20 timed calls after warm-up; x/routing
+torch._grouped_mm, SwiGLU, weight, index_add), its three grouped GEMMs alone on inputs already
+sorted and gathered (`grouped_mm GEMMs only`: torch._grouped_mm is CUTLASS's Hopper grouped
+GEMM, the library kernel our hand-written GEMMs are measured against; no rel_err, it is not the
+whole op) and Liger's LigerFusedMoEFunction (autotune off) on the DESIGN §9 shapes. CUDA events, median of >= 20 timed calls after warm-up; x/routing
 rotate over several copies (the expert weights alone exceed the 50 MB L2 in every shape).
 
 MXFP8 (unless --no-mxfp8; skipped with a printed reason when the module has no
@@ -111,6 +113,24 @@ def unfused(x, wg, wu, w2t, ids, wt, E):
     return out
 
 
+def sorted_gemm_inputs(x, ids, wg, wu, E):
+    """The unfused path up to its GEMMs: rows of x gathered in expert order, group offsets, and
+    the SwiGLU output h the down GEMM reads (for timing the three grouped GEMMs alone)."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    xs = x[order // top_k]
+    h = torch.nn.functional.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
+    return xs, h, offs
+
+
+def grouped_gemms(xs, h, offs, wg, wu, w2t):
+    """The unfused path's three grouped GEMMs, nothing else."""
+    return (torch._grouped_mm(xs, wg, offs=offs), torch._grouped_mm(xs, wu, offs=offs),
+            torch._grouped_mm(h, w2t, offs=offs))
+
+
 def torch_dequant(q, scales):
     """MXFP8 -> bf16 with plain torch ops (the unfused baseline's dequantization): q * 2^(byte-127).
 
@@ -141,16 +161,19 @@ def profile_kernels(fn):
 
 
 def moe_row(rows, op, impl, si, ms, err, **extra):
-    """Record and print one MoE row (DESIGN §9 schema) of shape SHAPES[si]."""
+    """Record and print one MoE row (DESIGN §9 schema) of shape SHAPES[si]; err None: a row that
+    does not compute the whole op (no rel_err_vs_fp32)."""
     T, K, I, E, top_k = SHAPES[si]
     flops = 6 * T * top_k * K * I
     r = {"op": op, "impl": impl, "shape": {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k},
-         "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "rel_err_vs_fp32": round(err, 6)}
+         "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+    if err is not None:
+        r["rel_err_vs_fp32"] = round(err, 6)
     r.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in extra.items()})
     rows.append(r)
     floor = f" (quantization floor {extra['quant_floor_rel_err']:.2e})" if "quant_floor_rel_err" in extra else ""
-    print(f"{SHAPES[si]} {op} {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s) rel_err {err:.2e}{floor}",
-          flush=True)
+    err_text = f" rel_err {err:.2e}" if err is not None else ""
+    print(f"{SHAPES[si]} {op} {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s){err_text}{floor}", flush=True)
 
 
 def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
@@ -275,7 +298,7 @@ def plot(rows, copy, mm, path):
     quant = [r for r in rows if r["op"] == "quantize_mxfp8"]
     labels = sorted({_moe_label(r) for r in moe}, key=lambda s: [int(v) for v in s.split(",")])
     series = [(op, impl) for op, impl in [("fused_moe_bf16", "prime-kernels"), ("fused_moe_bf16", "grouped_mm"),
-                                          ("fused_moe_bf16", "liger"), ("fused_moe_mxfp8", "prime-kernels"),
+                                          ("fused_moe_bf16", "grouped_mm GEMMs only"), ("fused_moe_bf16", "liger"), ("fused_moe_mxfp8", "prime-kernels"),
                                           ("fused_moe_mxfp8", "dequant+grouped_mm"),
                                           ("fused_moe_mxfp8", "dequant+fused_bf16")]
               if any(r["op"] == op and r["impl"] == impl for r in moe)]
@@ -309,14 +332,14 @@ def plot(rows, copy, mm, path):
 
 
 def print_table(rows):
-    print(f"\n{'op':16s} {'shape':30s} {'impl':19s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'rel_err':>8s} "
+    print(f"\n{'op':16s} {'shape':30s} {'impl':21s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'rel_err':>8s} "
           f"{'q_floor':>8s}")
     for r in rows:
         tf = f"{r['tflops']:8.1f}" if "tflops" in r else " " * 8
         gb = f"{r['GBps']:6.0f}" if "GBps" in r else " " * 6
         err = f"{r['rel_err_vs_fp32']:8.2e}" if "rel_err_vs_fp32" in r else " " * 8
         fl = f"{r['quant_floor_rel_err']:8.2e}" if "quant_floor_rel_err" in r else " " * 8
-        print(f"{r['op']:16s} {_shape_text(r):30s} {r['impl']:19s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
+        print(f"{r['op']:16s} {_shape_text(r):30s} {r['impl']:21s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
 
 
 def main():
@@ -415,6 +438,16 @@ def main():
 
             err_u = rel(peer(0))
             moe_row(rows, "fused_moe_bf16", "grouped_mm", si, time_ms(peer, args.iters), err_u)
+
+            gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E) for (x, ids, _) in sets]
+
+            def gemms_only(i):
+                return grouped_gemms(*gemm_inputs[i % len(gemm_inputs)], wg, wu, w2t)
+
+            moe_row(rows, "fused_moe_bf16", "grouped_mm GEMMs only", si, time_ms(gemms_only, args.iters), None,
+                    note="the three CUTLASS grouped GEMMs of the unfused path alone, inputs pre-gathered")
+            del gemm_inputs
+            torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001
             print(f"grouped_mm failed on {SHAPES[si]}: {e}")
 

@@ -1,0 +1,52 @@
+"""CPU tests of the side-by-side benchmark's peers (benchmarks/compare.py): they compute what their
+rows claim, so a peer's time is the time of that computation."""
+
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+MEMBER = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("flash_moe_compare", MEMBER / "benchmarks" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _problem(T=64, K=64, I=32, E=8, top_k=3):
+    g = torch.Generator().manual_seed(T * 7 + E)
+    x = torch.randn(T, K, generator=g).bfloat16()
+    w = (torch.randn(E, 2 * I, K, generator=g) / K ** 0.5).bfloat16()
+    w2 = (torch.randn(E, K, I, generator=g) / I ** 0.5).bfloat16()
+    ids = torch.rand(T, E, generator=g).topk(top_k, dim=1).indices.to(torch.int32)
+    wt = torch.softmax(torch.randn(T, top_k, generator=g), -1)
+    return x, w, w2, ids, wt, E, I
+
+
+def test_unfused_peer_is_the_moe(compare, reference):
+    x, w, w2, ids, wt, E, I = _problem()
+    out = compare.unfused(x, w[:, :I].transpose(1, 2), w[:, I:].transpose(1, 2), w2.transpose(1, 2), ids, wt, E)
+    truth = reference.moe_fp32(x, w, w2, ids, wt)
+    rel = ((out.float() - truth).norm() / truth.norm()).item()
+    assert rel < 2e-2, rel  # bf16 GEMMs, SwiGLU and sum in bf16
+
+
+def test_gemms_only_row_times_the_unfused_paths_gemms(compare):
+    """The `grouped_mm GEMMs only` row's inputs and GEMMs are exactly the unfused path's: weighting
+    and summing its down-GEMM output reproduces the unfused output bit for bit."""
+    x, w, w2, ids, wt, E, I = _problem()
+    wg, wu, w2t = w[:, :I].transpose(1, 2), w[:, I:].transpose(1, 2), w2.transpose(1, 2)
+    xs, h, offs = compare.sorted_gemm_inputs(x, ids, wg, wu, E)
+    g, u, y = compare.grouped_gemms(xs, h, offs, wg, wu, w2t)
+    assert torch.equal(torch.nn.functional.silu(g) * u, h)
+    top_k = ids.shape[1]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    y = y * wt.reshape(-1)[order].to(y.dtype)[:, None]
+    out = torch.zeros_like(x)
+    out.index_add_(0, order // top_k, y)
+    assert torch.equal(out, compare.unfused(x, wg, wu, w2t, ids, wt, E))
