@@ -19,8 +19,11 @@ row-major and blocked scales (GB/s counts 2 B read + 1 B + 1/32 B scale written 
 
 Writes <out>/h200.json (DESIGN §9 schema) and a PNG beside it.
 
+Per-kernel device times of our ops (torch.profiler over 5 calls) are printed and recorded as
+`kernels_ms` in their rows unless --no-profile.
+
 usage: python3 flash_moe/benchmarks/compare.py [--out DIR] [--iters 20] [--shapes 0,1,2,3,4] [--no-liger]
-       [--no-mxfp8]
+       [--no-mxfp8] [--no-profile]
 """
 
 from __future__ import annotations
@@ -142,22 +145,33 @@ def torch_dequant(q, scales):
     return (q.to(torch.bfloat16).view(*q.shape[:-1], K // 32, 32) * scale[..., None]).view(q.shape)
 
 
-def profile_kernels(fn):
-    """Print the mean device time per kernel over 5 calls of fn(i)."""
+def kernel_label(name):
+    """A short name for a profiled kernel: `gemm bf16 gate/up` for moe_gemm_kernel<Weights 0, Kind 0,
+    stages>, else the `*_kernel` name (or the event's first 60 characters)."""
+    m = re.search(r"moe_gemm_kernel<\(flash_moe::gemm::Weights\)(\d), \(flash_moe::gemm::Kind\)(\d)", name)
+    if m:
+        return f"gemm {('bf16', 'mxfp8')[int(m.group(1))]} {('gate/up', 'down')[int(m.group(2))]}"
+    m = re.search(r"(\w+_kernel(<[^>]*>)?)", name)
+    return m.group(1) if m else name[:60]
+
+
+def profile_kernels(fn, calls=5):
+    """Mean device time per kernel over `calls` calls of fn(i), in ms, by kernel_label; printed."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(5):
+        for i in range(calls):
             fn(i)
         torch.cuda.synchronize()
     per = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            m = re.search(r"(\w+_kernel(<[^>]*>)?)", ev.name)
-            name = m.group(1) if m else ev.name[:60]
-            per[name] = per.get(name, 0.0) + ev.device_time / 5 / 1000
-    for name, t in sorted(per.items(), key=lambda kv: -kv[1]):
+            name = kernel_label(ev.name)
+            per[name] = per.get(name, 0.0) + ev.device_time / calls / 1000
+    per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    for name, t in per.items():
         print(f"    kernel {t:8.4f} ms  {name}")
+    return {name: round(t, 4) for name, t in per.items()}
 
 
 def moe_row(rows, op, impl, si, ms, err, **extra):
@@ -218,9 +232,8 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
     ms = time_ms(ours, args.iters)
     ms_op = time_ms(ours_op, args.iters)
     print(f"{SHAPES[si]} mxfp8 op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
-    if args.profile:
-        profile_kernels(ours)
-    row("prime-kernels", ms, err)
+    kernels = profile_kernels(ours) if args.profile else None
+    row("prime-kernels", ms, err, **({"kernels_ms": kernels} if kernels else {}))
 
     try:
         def deq_unfused(i):
@@ -350,7 +363,9 @@ def main():
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--rotate", type=int, default=3)
     ap.add_argument("--commit", default=os.environ.get("PRIME_KERNELS_COMMIT", ""), help="git sha to record (default: git rev-parse HEAD)")
-    ap.add_argument("--profile", action="store_true", help="print per-kernel device times of our op")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="per-kernel device times of our ops (torch.profiler, 5 calls), printed and recorded "
+                         "as kernels_ms in their rows (default: on)")
     ap.add_argument("--mxfp8", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the fused_moe_mxfp8 and quantize_mxfp8 rows (default: on)")
     args = ap.parse_args()
@@ -422,10 +437,9 @@ def main():
         ms_op = time_ms(ours_op, args.iters)
         ms_op3 = time_ms(ours_op3, args.iters)
         print(f"{SHAPES[si]} op alone with stages=3: {ms_op3:.3f} ms", flush=True)
-        if args.profile:
-            profile_kernels(ours)
+        kernels = profile_kernels(ours) if args.profile else None
         print(f"{SHAPES[si]} op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
-        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err)
+        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err, **({"kernels_ms": kernels} if kernels else {}))
 
         try:
             wg = w[:, :I].transpose(1, 2)

@@ -50,3 +50,11 @@ def test_gemms_only_row_times_the_unfused_paths_gemms(compare):
     out = torch.zeros_like(x)
     out.index_add_(0, order // top_k, y)
     assert torch.equal(out, compare.unfused(x, wg, wu, w2t, ids, wt, E))
+
+
+def test_kernel_labels_name_the_gemm_roles(compare):
+    mangled = ("void flash_moe::gemm::moe_gemm_kernel<(flash_moe::gemm::Weights){w}, (flash_moe::gemm::Kind){k}, 4>"
+               "(CUtensorMap_st, CUtensorMap_st, CUtensorMap_st, flash_moe::gemm::GemmParams)")
+    assert compare.kernel_label(mangled.format(w=0, k=0)) == "gemm bf16 gate/up"
+    assert compare.kernel_label(mangled.format(w=1, k=1)) == "gemm mxfp8 down"
+    assert compare.kernel_label("void flash_moe::(anonymous namespace)::reduce_kernel(int const*)") == "reduce_kernel"
