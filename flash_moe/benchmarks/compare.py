@@ -98,35 +98,27 @@ def ceilings(iters):
     return copy, mm
 
 
-def unfused(x, wg, wu, w2t, ids, wt, E):
-    """sort, gather, three grouped GEMMs, SwiGLU, weight, index_add (all bf16, no host sync)."""
-    M, top_k = ids.shape
+def sorted_gemm_inputs(x, ids, wg, wu, E):
+    """The unfused path up to its down GEMM: the slot order by expert, each sorted slot's token,
+    the rows of x gathered in that order, the SwiGLU output h and the group offsets."""
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
     tok = order // top_k
-    counts = torch.bincount(flat, minlength=E)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = x[tok]
-    g = torch._grouped_mm(xs, wg, offs=offs)
-    u = torch._grouped_mm(xs, wu, offs=offs)
-    h = torch.nn.functional.silu(g) * u
+    h = torch.nn.functional.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
+    return order, tok, xs, h, offs
+
+
+def unfused(x, wg, wu, w2t, ids, wt, E):
+    """sort, gather, three grouped GEMMs, SwiGLU, weight, index_add (all bf16, no host sync)."""
+    order, tok, _, h, offs = sorted_gemm_inputs(x, ids, wg, wu, E)
     y = torch._grouped_mm(h, w2t, offs=offs)
     y = y * wt.reshape(-1)[order].to(y.dtype)[:, None]
     out = torch.zeros_like(x)
     out.index_add_(0, tok, y)
     return out
-
-
-def sorted_gemm_inputs(x, ids, wg, wu, E):
-    """The unfused path up to its GEMMs: rows of x gathered in expert order, group offsets, and
-    the SwiGLU output h the down GEMM reads (for timing the three grouped GEMMs alone)."""
-    top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    xs = x[order // top_k]
-    h = torch.nn.functional.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
-    return xs, h, offs
 
 
 def grouped_gemms(xs, h, offs, wg, wu, w2t):
@@ -182,14 +174,14 @@ def profile_kernels(fn, calls=5):
 
 def moe_row(rows, op, impl, si, ms, err, **extra):
     """Record and print one MoE row (DESIGN §9 schema) of shape SHAPES[si]; err None: a row that
-    does not compute the whole op (no rel_err_vs_fp32)."""
+    does not compute the whole op (no rel_err_vs_fp32). Extra fields that are None are left out."""
     T, K, I, E, top_k = SHAPES[si]
     flops = 6 * T * top_k * K * I
     r = {"op": op, "impl": impl, "shape": {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k},
          "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
     if err is not None:
         r["rel_err_vs_fp32"] = round(err, 6)
-    r.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in extra.items()})
+    r.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in extra.items() if v is not None})
     rows.append(r)
     floor = f" (quantization floor {extra['quant_floor_rel_err']:.2e})" if "quant_floor_rel_err" in extra else ""
     err_text = f" rel_err {err:.2e}" if err is not None else ""
@@ -238,8 +230,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
     ms = time_ms(ours, args.iters)
     ms_op = time_ms(ours_op, args.iters)
     print(f"{SHAPES[si]} mxfp8 op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
-    kernels = profile_kernels(ours) if args.profile else None
-    row("prime-kernels", ms, err, **({"kernels_ms": kernels} if kernels else {}))
+    row("prime-kernels", ms, err, kernels_ms=profile_kernels(ours) if args.profile else None)
 
     try:
         def deq_unfused(i):
@@ -445,7 +436,7 @@ def main():
         print(f"{SHAPES[si]} op alone with stages=3: {ms_op3:.3f} ms", flush=True)
         kernels = profile_kernels(ours) if args.profile else None
         print(f"{SHAPES[si]} op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
-        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err, **({"kernels_ms": kernels} if kernels else {}))
+        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err, kernels_ms=kernels)
 
         try:
             wg = w[:, :I].transpose(1, 2)
@@ -459,7 +450,7 @@ def main():
             err_u = rel(peer(0))
             moe_row(rows, "fused_moe_bf16", "grouped_mm", si, time_ms(peer, args.iters), err_u)
 
-            gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E) for (x, ids, _) in sets]
+            gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E)[2:] for (x, ids, _) in sets]
 
             def gemms_only(i):
                 return grouped_gemms(*gemm_inputs[i % len(gemm_inputs)], wg, wu, w2t)
