@@ -271,8 +271,8 @@ def _quantize_mxfp8_fake(t, blocked):
     S = K // MXFP8_SCALE_BLOCK
     vals = t.new_empty(t.shape, dtype=torch.float8_e4m3fn)
     if blocked:
-        R = t.numel() // K
-        scales = t.new_empty(((R + 127) // 128 * 128 * ((S + 3) // 4 * 4),), dtype=torch.float8_e8m0fnu)
+        Rp, Sp = reference.blocked_padded_shape(t.numel() // K, S)
+        scales = t.new_empty((Rp * Sp,), dtype=torch.float8_e8m0fnu)
     else:
         scales = t.new_empty((*t.shape[:-1], S), dtype=torch.float8_e8m0fnu)
     return vals, scales

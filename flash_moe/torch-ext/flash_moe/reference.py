@@ -247,14 +247,18 @@ def blocked_offset(r: int, s: int, S: int) -> int:
     return ((r // 128) * ((S + 3) // 4) + s // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + s % 4
 
 
+def blocked_padded_shape(R: int, S: int) -> tuple[int, int]:
+    """The (R, S) scale matrix padded as the blocked layout stores it: R to 128 rows, S to 4."""
+    return (R + 127) // 128 * 128, (S + 3) // 4 * 4
+
+
 def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     """(R, S) scale bytes (uint8 or float8_e8m0fnu) -> flat, same dtype, in the 128x4 blocked layout
     (R padded to 128, S to 4, zeros)."""
     dtype = scales.dtype
     scales = scales.view(torch.uint8) if dtype == torch.float8_e8m0fnu else scales
     R, S = scales.shape
-    Rp = (R + 127) // 128 * 128
-    Sp = (S + 3) // 4 * 4
+    Rp, Sp = blocked_padded_shape(R, S)
     p = torch.zeros(Rp, Sp, dtype=torch.uint8, device=scales.device)
     p[:R, :S] = scales.to(torch.uint8)
     # (Rp/128, 4, 32, Sp/4, 4) -> (Rp/128, Sp/4, 32, 4(r%128//32), 4(s%4))
@@ -267,8 +271,7 @@ def unpack_scales_blocked(flat: torch.Tensor, R: int, S: int) -> torch.Tensor:
     same dtype (uint8 or float8_e8m0fnu). The padding bytes are dropped."""
     dtype = flat.dtype
     b = flat.view(torch.uint8) if dtype == torch.float8_e8m0fnu else flat
-    Rp = (R + 127) // 128 * 128
-    Sp = (S + 3) // 4 * 4
+    Rp, Sp = blocked_padded_shape(R, S)
     if b.numel() != Rp * Sp:
         raise ValueError(f"unpack_scales_blocked: a ({R}, {S}) scale matrix packs to {Rp * Sp} bytes, "
                          f"got {b.numel()}")
