@@ -24,6 +24,15 @@ constexpr int kMxfp8Stages = 6;
 constexpr int kMxfp8ScaleBlock = 32;
 constexpr int kMxfp8KBlock = 64;
 constexpr int kMaxExperts = 512;
+
+// Sizes of the blocked layout of an (R, S) MXFP8 scale matrix (DESIGN §6): 512-byte chunks of
+// 128 rows x 4 scale columns, R padded to 128 and S to 4 (the device-side offsets are
+// mx::blocked_offset).
+constexpr int64_t mxfp8_scale_row_groups(int64_t R) { return (R + 127) / 128; }
+constexpr int64_t mxfp8_scale_col_groups(int64_t S) { return (S + 3) / 4; }
+constexpr int64_t mxfp8_blocked_scale_bytes(int64_t R, int64_t S) {
+  return mxfp8_scale_row_groups(R) * mxfp8_scale_col_groups(S) * 512;
+}
 constexpr int kMaxTopK = 16;
 
 // SMs of the current device (persistent grids are sized by it); read once per process.

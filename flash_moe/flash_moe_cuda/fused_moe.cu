@@ -303,11 +303,11 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     make_params(ws.x_bf16, a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M, a.K, a.I, a.E, a.L,
                 a.top_k, p1, p2);
     p1.b_scales = a.w_scales;
-    p1.scale_col_groups = (int)((a.K / kMxfp8ScaleBlock + 3) / 4);
-    p1.scale_row_groups = (int)((a.E * 2 * a.I + 127) / 128);
+    p1.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
+    p1.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * 2 * a.I);
     p2.b_scales = a.w2_scales;
-    p2.scale_col_groups = (int)((a.I / kMxfp8ScaleBlock + 3) / 4);
-    p2.scale_row_groups = (int)((a.E * a.K + 127) / 128);
+    p2.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
+    p2.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * a.K);
     // The MXFP8 epilogues store from registers: no output maps.
     const CUtensorMap no_map{};
     err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);

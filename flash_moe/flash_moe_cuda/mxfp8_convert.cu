@@ -170,7 +170,7 @@ template <typename T>
 cudaError_t launch_quantize(const void* src, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales, bool blocked,
                             cudaStream_t stream) {
   const int64_t S = K / kMxfp8ScaleBlock;
-  const int64_t units = (blocked ? (R + 127) / 128 * 128 : R) * ((S + 3) / 4);
+  const int64_t units = (blocked ? mxfp8_scale_row_groups(R) * 128 : R) * mxfp8_scale_col_groups(S);
   if (units == 0) return cudaSuccess;
   // Word stores need 4 contiguous, aligned bytes per unit: always in the blocked layout,
   // row-major only when S % 4 == 0; otherwise each block's first lane stores its byte.

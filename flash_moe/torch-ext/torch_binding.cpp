@@ -224,10 +224,6 @@ void set_routing(Args& a, const MoeDims& d, const at::Tensor& sorted_token_ids, 
   a.workspace = ws.data_ptr();
 }
 
-int64_t blocked_scale_bytes(int64_t rows, int64_t cols) {
-  return (rows + 127) / 128 * 128 * ((cols + 3) / 4 * 4);
-}
-
 }  // namespace
 
 void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
@@ -279,9 +275,9 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   FM_CHECK(x_scales.dim() == 2 && x_scales.size(0) == d.M && x_scales.size(1) == d.K / blk, op,
            ": x_scales must have shape (M, K/32) = (", d.M, ", ", d.K / blk, "), row-major, got ", x_scales.sizes());
   check_scales(x_scales, x, d.M * (d.K / blk), op, "x_scales", "row-major (M, K/32)");
-  check_scales(w_scales, x, blocked_scale_bytes(d.E * 2 * d.I, d.K / blk), op, "w_scales",
+  check_scales(w_scales, x, flash_moe::mxfp8_blocked_scale_bytes(d.E * 2 * d.I, d.K / blk), op, "w_scales",
                "pack_scales_blocked of the (E*2I, K/32) scales");
-  check_scales(w2_scales, x, blocked_scale_bytes(d.E * d.K, d.I / blk), op, "w2_scales",
+  check_scales(w2_scales, x, flash_moe::mxfp8_blocked_scale_bytes(d.E * d.K, d.I / blk), op, "w2_scales",
                "pack_scales_blocked of the (E*K, I/32) scales");
   check_aligned16(w_scales, op, "w_scales");
   check_aligned16(w2_scales, op, "w2_scales");
@@ -318,7 +314,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8(const at::Tensor& t, bool bloc
   at::Tensor vals = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
   std::vector<int64_t> sshape(t.sizes().begin(), t.sizes().end());
   sshape.back() = S;
-  at::Tensor scales = blocked ? at::empty({blocked_scale_bytes(R, S)}, t.options().dtype(at::kFloat8_e8m0fnu))
+  at::Tensor scales = blocked ? at::empty({flash_moe::mxfp8_blocked_scale_bytes(R, S)},
+                                          t.options().dtype(at::kFloat8_e8m0fnu))
                               : at::empty(sshape, t.options().dtype(at::kFloat8_e8m0fnu));
   const cudaError_t err = flash_moe::quantize_mxfp8(
       t.data_ptr(), t.scalar_type() == at::kBFloat16 ? flash_moe::FloatKind::kBf16 : flash_moe::FloatKind::kFp32, R,
