@@ -2,10 +2,14 @@
 // and the launch sequence shared by both ops:
 //
 //   [mxfp8 only] x -> bf16, K-permuted (the gather then reads bf16 rows)
+//   inverse        pos[slot] = p   (slot -> sorted position)
 //   GEMM1 gate/up  h[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      bf16 h
 //   GEMM2 down     Y[p] = topk_weight[slot(p)] * (h[p] @ W2[e]^T)                 bf16 Y
-//   inverse        pos[slot] = p   (slot -> sorted position)
 //   reduce         out[t] (+)= sum_{k ascending} Y[pos(t*top_k + k)]   in fp32
+//
+// GEMM2 and reduce are programmatic dependent launches: each starts its CTAs on the SMs the
+// kernel before it leaves idle at its end. GEMM2 waits per m-block for h (gemm::HandOff),
+// reduce for the whole of GEMM2 (griddepcontrol.wait).
 //
 // The GEMM kernels are in moe_gemm.cuh: bf16 weights by TMA, or e4m3 weights + blocked scales
 // dequantized in registers (MXFP8; x and h are then stored K-permuted, see kperm). No float
@@ -50,6 +54,7 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
 // out[t, :] (+)= sum_k Y[inv[t*top_k+k], :], fp32, k ascending. 8 columns per thread.
 __global__ void reduce_kernel(const __nv_bfloat16* __restrict__ Y, const int32_t* __restrict__ inv,
                               __nv_bfloat16* __restrict__ out, int64_t M, int K, int top_k, bool accumulate) {
+  sm90::griddep_wait();  // launched while the down GEMM still runs: Y is complete after this
   const int cpr = K / 8;
   const int64_t total = M * cpr;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
@@ -135,15 +140,34 @@ Operand out_rows(const void* out, int64_t rows, int64_t cols) {
 }
 
 // ---------------------------------------------------------------- launches
+
+// A launch that may start while the previous kernel of the stream still runs (programmatic
+// dependent launch): the kernel itself waits for what it reads (HandOff, griddep_wait).
+template <class Kernel, class... Args>
+cudaError_t launch_after_previous(Kernel kern, dim3 grid, dim3 block, int smem, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kern, args...);
+}
+
 // One persistent launch: a CTA per SM (or per tile when there are fewer tiles).
 template <class Kernel>
 cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, const CUtensorMap& tmB,
-                              const CUtensorMap& tmC, const GemmParams& p, cudaStream_t stream) {
+                              const CUtensorMap& tmC, const GemmParams& p, bool after_previous, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
   if (max_tiles == 0) return cudaSuccess;
   const int grid = (int)(max_tiles < sm_count() ? max_tiles : sm_count());
+  if (after_previous) return launch_after_previous(kern, grid, gemm::kThreads, smem, stream, tmA, tmB, tmC, p);
   kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, tmC, p);
   return cudaGetLastError();
 }
@@ -155,28 +179,33 @@ cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const
                          const GemmParams& p2, cudaStream_t stream) {
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
   cudaError_t err =
-      launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages>, smem, tm_w, tm_w, tm_h_out, p1, stream);
+      launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages>, smem, tm_w, tm_w, tm_h_out, p1, false, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages>, smem, tm_h, tm_w2, tm_y_out, p2, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages>, smem, tm_h, tm_w2, tm_y_out, p2, true,
+                           stream);
 }
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
 // Workspace: [x as bf16 (mxfp8 only)] h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 |
-// tile counters of the two GEMMs, int32.
-constexpr int kCounterInts = 2;
+// counters, int32: the two GEMMs' tile counters, then h_done per m-block (gemm::HandOff).
+constexpr int kTileCounterInts = 2;
 struct Workspace {
   __nv_bfloat16* x_bf16;
   __nv_bfloat16* h;
   __nv_bfloat16* Y;
   int32_t* inv;
   int32_t* tile_counters;
+  int32_t* h_done;
   int64_t n_slots;
+  int64_t counter_ints;
+  static int64_t counters(int64_t L) { return kTileCounterInts + (L + gemm::kBM - 1) / gemm::kBM; }
   static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x) {
     return (with_x ? align256((size_t)M * K * 2) : 0) + align256((size_t)L * I * 2) + align256((size_t)L * K * 2) +
-           align256((size_t)M * top_k * 4) + align256(kCounterInts * 4);
+           align256((size_t)M * top_k * 4) + align256((size_t)counters(L) * 4);
   }
-  Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x) : n_slots(M * top_k) {
+  Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x)
+      : n_slots(M * top_k), counter_ints(counters(L)) {
     uint8_t* p = static_cast<uint8_t*>(base);
     x_bf16 = with_x ? reinterpret_cast<__nv_bfloat16*>(p) : nullptr;
     p += with_x ? align256((size_t)M * K * 2) : 0;
@@ -187,12 +216,13 @@ struct Workspace {
     inv = reinterpret_cast<int32_t*>(p);
     p += align256((size_t)n_slots * 4);
     tile_counters = reinterpret_cast<int32_t*>(p);
+    h_done = tile_counters + kTileCounterInts;
   }
-  // Before the GEMMs: inv = -1 (no position), tile counters = 0.
+  // Before the GEMMs: inv = -1 (no position), counters = 0.
   cudaError_t clear(cudaStream_t stream) const {
     cudaError_t err = cudaMemsetAsync(inv, 0xFF, (size_t)n_slots * 4, stream);
     if (err != cudaSuccess) return err;
-    return cudaMemsetAsync(tile_counters, 0, kCounterInts * 4, stream);
+    return cudaMemsetAsync(tile_counters, 0, (size_t)counter_ints * 4, stream);
   }
 };
 
@@ -217,6 +247,7 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p1.n_out = (int)I;
   p1.num_n = (int)((I + 127) / 128);
   p1.tile_counter = ws.tile_counters;
+  p1.h_done = ws.h_done;
   p1.b_second = (int)I;  // up rows follow the I gate rows
   p1.b_rows = (int)(2 * I);
   p2 = p1;
@@ -226,27 +257,29 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p2.n_out = (int)K;
   p2.num_n = (int)((K + 255) / 256);
   p2.tile_counter = ws.tile_counters + 1;
+  p2.h_done_target = 2 * p1.num_n;  // gemm::HandOff: two consumer warpgroups per gate/up tile
   p2.b_second = 128;  // the two 128-row halves of a 256-column tile
   p2.b_rows = (int)K;
 }
 
-cudaError_t topk_sum(const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws,
-                     void* out, int64_t M, int64_t K, int64_t E, int64_t L, int top_k, bool split, cudaStream_t stream) {
-  const int n_slots = (int)(M * top_k);
-  if (L > 0) {
-    const int ib = 256;
-    int ig = (int)((L + ib - 1) / ib);
-    if (ig > 4 * sm_count()) ig = 4 * sm_count();
-    inverse_kernel<<<ig, ib, 0, stream>>>(sorted_ids, expert_ids, ntpp, (int)L, n_slots, (int)E, ws.inv);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
+// Before the GEMMs (it reads only the routing): the sorted position of every slot.
+cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp,
+                           const Workspace& ws, int64_t E, int64_t L, cudaStream_t stream) {
+  if (L == 0) return cudaSuccess;
+  const int ib = 256;
+  int ig = (int)((L + ib - 1) / ib);
+  if (ig > 4 * sm_count()) ig = 4 * sm_count();
+  inverse_kernel<<<ig, ib, 0, stream>>>(sorted_ids, expert_ids, ntpp, (int)L, (int)ws.n_slots, (int)E, ws.inv);
+  return cudaGetLastError();
+}
+
+cudaError_t topk_sum(const Workspace& ws, void* out, int64_t M, int64_t K, int top_k, bool split, cudaStream_t stream) {
   const int64_t work = M * (K / 8);
   const int rb = 256;
   int64_t rg = (work + rb - 1) / rb;
   if (rg > 16 * sm_count()) rg = 16 * sm_count();
-  reduce_kernel<<<(int)rg, rb, 0, stream>>>(ws.Y, ws.inv, static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
-  return cudaGetLastError();
+  return launch_after_previous(reduce_kernel, (int)rg, rb, 0, stream, (const __nv_bfloat16*)ws.Y, (const int32_t*)ws.inv,
+                               static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
 }
 
 }  // namespace
@@ -264,6 +297,7 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, false);
   cudaError_t err = ws.clear(stream);
+  if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.E, a.L, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
     CUtensorMap tm_w, tm_h, tm_w2, tm_h_out, tm_y_out;
@@ -281,7 +315,7 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
               : launch_gemms<gemm::Weights::kBf16, 3>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
-  return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);
+  return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);
 }
 
 cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
@@ -289,6 +323,7 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, true);
   cudaError_t err = ws.clear(stream);
+  if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.E, a.L, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
     // x is read top_k times by the gather: dequantize it once (M*K*3 bytes, ~1% of the op).
@@ -313,7 +348,7 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
-  return topk_sum(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.out, a.M, a.K, a.E, a.L, a.top_k, a.split, stream);
+  return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);
 }
 
 }  // namespace flash_moe

@@ -2,7 +2,8 @@
 // wires one producer and one consumer role per weight format. The roles, a header each:
 //
 //   moe_gemm_schedule.cuh        parameters; tiles claimed in order from a global counter
-//                                (TileOrder, claim_tile) and handed over in TileSlots
+//                                (TileOrder, claim_tile) and handed over in TileSlots; the
+//                                per-m-block h handoff from the gate/up to the down GEMM (HandOff)
 //   moe_gemm_stages.cuh          what a shared-memory stage holds (SmemPlan, Mxfp8Plan) and
 //                                the stage ring's mbarriers
 //   moe_gemm_producer.cuh        token rows gathered from x (cp.async) or h rows (TMA); weights
@@ -56,6 +57,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  // The next kernel (the down GEMM after the gate/up GEMM, the top-k sum after the down GEMM)
+  // may start its CTAs as soon as SMs free up; HandOff and griddep_wait keep its reads correct.
+  griddep_launch_dependents();
 
   // Register rebalancing: the CTA holds 168 x 384 registers; what the producer gives up
   // (168 - 56) x 128 covers what the consumers take (224 - 168) x 256 (if it did not,

@@ -36,6 +36,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
   float acc0[64], acc1[64];
   zero_fill(acc0);
   zero_fill(acc1);
+  HandOff handoff;
   for (uint32_t it = 0;;) {
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
@@ -49,6 +50,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
         mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
         if (lane == 0) mbar_arrive(bars.empty(it % kStages));
       }
+      if (kKind == Kind::kGateUp) HandOff::count_empty(p, tile);
       continue;
     }
     for (int kb = 0; kb < nk; ++kb, ++it) {
@@ -75,12 +77,16 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(bars.empty((it - 1) % kStages));
 
-    if (kKind == Kind::kGateUp)
+    if (kKind == Kind::kGateUp) {
+      handoff.flush<true>(p, 2 + cw);
+      handoff.pending = tile.m0 / kBM;
       stage_swiglu(staged, tmC, tile, cw, w4, lane, acc0, acc1);
-    else
+    } else {
       stage_weighted(staged, tmC, p, tile, cw, w4, lane, acc0, acc1);
+    }
   }
   staged.drain();
+  if (kKind == Kind::kGateUp) handoff.flush<true>(p, 2 + cw);
 }
 
 }  // namespace gemm

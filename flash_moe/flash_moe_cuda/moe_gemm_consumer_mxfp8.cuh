@@ -59,6 +59,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
   float acc0[64], acc1[64];
   zero_fill(acc0);
   zero_fill(acc1);
+  HandOff handoff;
   uint32_t it = 0;
   for (;;) {
     const Tile tile = wait_tile(bars, slots, it);
@@ -163,6 +164,8 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // tokens 8j + 2(l%4) + {0, 1}, j = 0..15.
     const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
     if (kKind == Kind::kGateUp) {
+      handoff.flush<false>(p, 2 + cw);
+      handoff.pending = tile.m0 / kBM;
       const int col = n0 + 64 * cw + pc;  // physical h column (K-permuted for the down GEMM)
       if (n0 + 64 * cw < p.n_out) {
 #pragma unroll
@@ -202,6 +205,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       }
     }
   }
+  if (kKind == Kind::kGateUp) handoff.flush<false>(p, 2 + cw);
 }
 
 }  // namespace gemm

@@ -119,6 +119,7 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
       mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
       if (threadIdx.x == 0) {
         if (kb == 0) TileSlots::put(slots.stage(s), tile);  // before the arrive in load_stage
+        if (kKind == Kind::kDown && kb == 0) HandOff::wait_ready(p, tile);
         load_stage(tile, kb, stage, bars.full(s));
       }
       if (kKind == Kind::kGateUp) gather.issue(p, kb, stage, bars.full(s));

@@ -38,6 +38,8 @@ struct GemmParams {
   int n_out;                     // valid output columns
   int num_n;                     // n-blocks per m-block
   int* tile_counter;             // tiles claimed so far (zero before the launch)
+  int* h_done;                   // per m-block: gate/up warpgroup-tiles whose h is stored (HandOff)
+  int h_done_target;             // kDown: the count that makes an m-block's h rows complete
   int b_second;                  // row offset of the second weight box from the first
   // MXFP8 only: weight scales in the blocked layout of the (E * b_rows, K/32) scale matrix.
   const uint8_t* b_scales;
@@ -104,6 +106,47 @@ struct TileSlots {
     if (threadIdx.x == 0) put(slot, claim_tile(p, order));
     if (threads > 1) named_barrier_sync(1, threads);
     return get(slot);
+  }
+};
+
+// ---------------------------------------------------------------- gate/up -> down handoff
+// The down GEMM is launched as a programmatic dependent of the gate/up GEMM, so its CTAs start
+// on the SMs the gate/up GEMM's last tiles leave idle, and stream order no longer covers h.
+// Instead every gate/up consumer warpgroup adds 1 to h_done[m-block] for each tile once its h
+// stores have landed, and the down producer waits for an m-block's count to reach
+// h_done_target (2 warpgroups x the gate/up n-blocks) before its first h load of that block.
+// Both GEMMs walk the same m-blocks (same ntpp, same expert check), so every awaited count is
+// reached. The gate/up count is sent one tile late (`pending`): by then the stores have long
+// landed and the wait before the release costs nothing.
+struct HandOff {
+  int pending = -1;  // m-block of this warpgroup's previous tile, not yet counted
+  // Count `pending`, all 128 threads of the warpgroup. kTmaStores: thread 0 issued the tile's
+  // stores as TMA bulk groups; else every thread stored from registers.
+  template <bool kTmaStores>
+  __device__ void flush(const GemmParams& p, int bar_id) {
+    if (pending < 0) return;
+    if constexpr (!kTmaStores) {
+      __threadfence();
+      named_barrier_sync(bar_id, 128);
+    }
+    if ((threadIdx.x & 127) == 0) {
+      if constexpr (kTmaStores) {
+        bulk_wait_all();
+        fence_proxy_async_global();
+      }
+      red_release_gpu_add(p.h_done + pending, 1);
+    }
+    pending = -1;
+  }
+  // A warpgroup that stores nothing for a tile (all-padding rows) counts it at once.
+  __device__ static void count_empty(const GemmParams& p, const Tile& t) {
+    if ((threadIdx.x & 127) == 0) red_release_gpu_add(p.h_done + t.m0 / kBM, 1);
+  }
+  // Down producer thread: wait until the tile's h rows are complete.
+  __device__ static void wait_ready(const GemmParams& p, const Tile& t) {
+    const int* done = p.h_done + t.m0 / kBM;
+    while (ld_acquire_gpu(done) < p.h_done_target) __nanosleep(128);
+    fence_proxy_async_global();
   }
 };
 
