@@ -1,19 +1,25 @@
 // moe_align on the GPU: group flat slot ids t*top_k+k by expert, stable (ascending slot id
 // inside each expert), pad every expert's run to a multiple of block_m with the sentinel
-// n_slots, one expert id per block, -1 for unused tail blocks. Three launches, no host sync:
-//   1. count:   per-chunk expert histograms (+ fill sorted_ids with the sentinel)
-//   2. scan:    per-chunk exclusive offsets per expert, padded expert starts, expert_ids, ntpp
-//   3. scatter: stable in-chunk ranks (warp match + per-warp counts, fixed order) -> positions
+// n_slots, one expert id per block, -1 for unused tail blocks. Two launches, no host sync:
+//   1. count: per-chunk expert histograms (+ fill sorted_ids with the sentinel)
+//   2. place: each chunk's CTA sums the histograms itself (its chunk's offset per expert and
+//      every expert's total), scans the padded totals into expert starts (CTA 0 also writes
+//      expert_ids and ntpp), then stable in-chunk ranks (warp match + per-warp counts, fixed
+//      order) -> positions
 // Ids outside [0, E) (-1 = routed to another rank, or any out-of-range id) are dropped.
+// Chunks are small so that many CTAs share the work: the place loop is a few rounds of 256
+// slots per CTA, and summing up to a few hundred histogram rows per CTA is cheaper than a
+// separate scan launch (three launches with 4096-slot chunks took 29-33 us at the issue
+// shapes on the H200, these two 13-17 us).
 #include "flash_moe.cuh"
 
 namespace flash_moe {
 namespace {
 
-constexpr int kChunk = 4096;    // slots per chunk (one block each in count/scatter)
-constexpr int kThreads = 256;   // threads of count/scatter blocks
+constexpr int kChunk = 1024;    // slots per chunk (one block each in count/place)
+constexpr int kThreads = 256;   // threads of count/place blocks
 constexpr int kWarps = kThreads / 32;
-constexpr int kScanThreads = 512;
+constexpr int kExpertsPerThread = kMaxExperts / kThreads;
 
 __global__ void align_count_kernel(const int32_t* __restrict__ ids, int64_t n, int E,
                                    int32_t* __restrict__ sorted_ids, int64_t sorted_len,
@@ -37,58 +43,78 @@ __global__ void align_count_kernel(const int32_t* __restrict__ ids, int64_t n, i
   for (int e = threadIdx.x; e < E; e += blockDim.x) hist[(int64_t)blockIdx.x * E + e] = h[e];
 }
 
-__global__ void align_scan_kernel(int32_t* __restrict__ hist, int nchunks, int E, int block_m,
-                                  int32_t* __restrict__ start, int32_t* __restrict__ expert_ids,
-                                  int64_t nblocks, int32_t* __restrict__ ntpp) {
-  __shared__ int32_t padded[kScanThreads];
-  __shared__ int32_t total_s;
-  const int e = threadIdx.x;
-  int32_t cnt = 0;
-  if (e < E) {
-    for (int c = 0; c < nchunks; ++c) {
-      const int32_t v = hist[(int64_t)c * E + e];
-      hist[(int64_t)c * E + e] = cnt;  // exclusive prefix over chunks
-      cnt += v;
+// Every expert's padded start (exclusive scan over experts of the padded totals) and this
+// chunk's offset inside each expert's run, from the histograms of all chunks. Thread t owns
+// experts t * kExpertsPerThread + j. CTA 0 writes expert_ids and ntpp.
+__device__ void expert_starts(const int32_t* __restrict__ hist, int nchunks, int E, int block_m,
+                              int32_t* __restrict__ expert_ids, int64_t nblocks, int32_t* __restrict__ ntpp,
+                              int32_t* running /* shared, out: start + chunk offset */) {
+  __shared__ int32_t warp_sums[kWarps];
+  int32_t total[kExpertsPerThread], before[kExpertsPerThread], pad[kExpertsPerThread];
+  int32_t mine = 0;  // sum of this thread's padded totals
+#pragma unroll
+  for (int j = 0; j < kExpertsPerThread; ++j) {
+    const int e = threadIdx.x * kExpertsPerThread + j;
+    total[j] = 0;
+    before[j] = 0;
+    if (e < E) {
+#pragma unroll 8
+      for (int c = 0; c < nchunks; ++c) {
+        const int32_t v = hist[(int64_t)c * E + e];
+        total[j] += v;
+        before[j] += c < (int)blockIdx.x ? v : 0;
+      }
     }
+    pad[j] = (total[j] + block_m - 1) / block_m * block_m;
+    mine += pad[j];
   }
-  const int32_t pad = (e < E) ? (cnt + block_m - 1) / block_m * block_m : 0;
-  padded[e] = pad;
+  // exclusive scan of `mine` over the block: warp shuffles, then the warps' sums
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int32_t incl = mine;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
-  // Hillis-Steele inclusive scan over experts (E <= 512)
-  for (int off = 1; off < kScanThreads; off <<= 1) {
-    const int32_t v = (e >= off) ? padded[e - off] : 0;
-    __syncthreads();
-    padded[e] += v;
-    __syncthreads();
+  int32_t warp_base = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    warp_base += w < warp ? warp_sums[w] : 0;
+    all += warp_sums[w];
   }
-  const int32_t st = padded[e] - pad;  // exclusive start
-  if (e < E) {
-    start[e] = st;
-    for (int32_t b = st / block_m; b < (st + pad) / block_m; ++b) expert_ids[b] = e;
+  int32_t st = warp_base + incl - mine;
+#pragma unroll
+  for (int j = 0; j < kExpertsPerThread; ++j) {
+    const int e = threadIdx.x * kExpertsPerThread + j;
+    if (e < E) {
+      running[e] = st + before[j];
+      if (blockIdx.x == 0)
+        for (int32_t b = st / block_m; b < (st + pad[j]) / block_m; ++b) expert_ids[b] = e;
+    }
+    st += pad[j];
   }
-  if (e == kScanThreads - 1) {
-    total_s = padded[e];
-    ntpp[0] = padded[e];
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) ntpp[0] = all;
+    for (int64_t b = all / block_m + threadIdx.x; b < nblocks; b += blockDim.x) expert_ids[b] = -1;
   }
-  __syncthreads();
-  for (int64_t b = total_s / block_m + threadIdx.x; b < nblocks; b += blockDim.x) expert_ids[b] = -1;
 }
 
-__global__ void align_scatter_kernel(const int32_t* __restrict__ ids, int64_t n, int E,
-                                     const int32_t* __restrict__ hist,
-                                     const int32_t* __restrict__ start,
-                                     int32_t* __restrict__ sorted_ids) {
+__global__ void align_place_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int block_m,
+                                   const int32_t* __restrict__ hist, int nchunks,
+                                   int32_t* __restrict__ expert_ids, int64_t nblocks, int32_t* __restrict__ ntpp,
+                                   int32_t* __restrict__ sorted_ids) {
   __shared__ int32_t running[kMaxExperts];
   __shared__ int32_t wcnt[kWarps][kMaxExperts];
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    running[e] = start[e] + hist[(int64_t)blockIdx.x * E + e];
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) wcnt[w][e] = 0;
-  }
+  expert_starts(hist, nchunks, E, block_m, expert_ids, nblocks, ntpp, running);
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t base = (int64_t)blockIdx.x * kChunk;
-  for (int r = 0; r < kChunk; r += kThreads) {
+  for (int r = 0; r < kChunk && base + r < n; r += kThreads) {
     const int64_t s = base + r + threadIdx.x;
     int e = -1;
     if (s < n) {
@@ -122,7 +148,7 @@ __global__ void align_scatter_kernel(const int32_t* __restrict__ ids, int64_t n,
 
 int64_t moe_align_workspace_ints(int64_t n_slots, int num_experts) {
   const int64_t nchunks = (n_slots + kChunk - 1) / kChunk;
-  return (nchunks > 0 ? nchunks : 1) * num_experts + num_experts;
+  return (nchunks > 0 ? nchunks : 1) * num_experts;
 }
 
 cudaError_t moe_align(const int32_t* topk_ids, int64_t n_slots, int num_experts, int block_m,
@@ -133,14 +159,10 @@ cudaError_t moe_align(const int32_t* topk_ids, int64_t n_slots, int num_experts,
   const int64_t nchunks = (n_slots + kChunk - 1) / kChunk;
   const int grid = (int)(nchunks > 0 ? nchunks : 1);
   int32_t* hist = workspace;
-  int32_t* start = workspace + (int64_t)grid * num_experts;
   align_count_kernel<<<grid, kThreads, 0, stream>>>(topk_ids, n_slots, num_experts, sorted_ids,
                                                    sorted_len, (int32_t)n_slots, hist);
-  align_scan_kernel<<<1, kScanThreads, 0, stream>>>(hist, grid, num_experts, block_m, start,
-                                                   expert_ids, sorted_len / block_m, ntpp);
-  if (n_slots > 0)
-    align_scatter_kernel<<<grid, kThreads, 0, stream>>>(topk_ids, n_slots, num_experts, hist,
-                                                       start, sorted_ids);
+  align_place_kernel<<<grid, kThreads, 0, stream>>>(topk_ids, n_slots, num_experts, block_m, hist, grid, expert_ids,
+                                                   sorted_len / block_m, ntpp, sorted_ids);
   return cudaGetLastError();
 }
 
