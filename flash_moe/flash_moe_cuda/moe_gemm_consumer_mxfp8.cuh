@@ -49,6 +49,9 @@ __device__ __forceinline__ int mxfp8_tile_row(int cw, int block, int r) {
   return cw * 128 + 64 * block + kperm::pair_column(r);
 }
 
+// The accumulator registers an m64n64 wgmma uses: the first 32 of the m64n128 layout.
+__device__ __forceinline__ float (&first_half(float (&acc)[64]))[32] { return *reinterpret_cast<float(*)[32]>(&acc[0]); }
+
 template <Kind kKind, int kStages>
 __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, const TileSlots& slots,
                               int nk) {
@@ -65,6 +68,13 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
     const int n0 = n_origin<kKind>(tile);
+    // An expert's last block often holds 64 tokens or fewer (moe_align puts the padding at the
+    // end of the block): its tiles multiply only the first 64 token rows (m64n64 wgmma, half
+    // the tensor work). The down GEMM makes the same choice for the same block, so the h rows
+    // 64..127 of such a block (written from stale accumulators) are never read, and it stores
+    // only the first 64 rows of Y.
+    const int sid64 = p.sorted_ids[tile.m0 + 64];
+    const bool half = !(sid64 >= 0 && sid64 < p.n_slots);
     // per (block, half): row in the 256-row e4m3 tile, its box, validity, scale location
     // A thread's e4m3 chunk of block 1 sits a fixed distance after block 0's (the other box,
     // or 64 rows further in the same box, same swizzle phase): one offset per half.
@@ -128,7 +138,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // loaded and dequantized into the other register set, so the tensor cores of this warpgroup
     // wait only for the issue of the next batch, not for a whole conversion. The two sets swap
     // roles every k-block (the loop body is written out twice, so no register copies).
-    auto step = [&](const uint32_t(&a)[2][2][8], uint32_t(&a_next)[2][2][8], int kb) {
+    auto step = [&](const uint32_t(&a)[2][2][8], uint32_t(&a_next)[2][2][8], int kb, auto half_tile) {
       const int s = it % kStages;
       const uint32_t stage = sbase + s * Plan::kStageBytes;
       wgmma_fence();
@@ -139,8 +149,13 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const int sc = (kb > 0 || st > 0) ? 1 : 0;
         const uint32_t f0[4] = {a[0][0][2 * st], a[0][1][2 * st], a[0][0][2 * st + 1], a[0][1][2 * st + 1]};
         const uint32_t f1[4] = {a[1][0][2 * st], a[1][1][2 * st], a[1][0][2 * st + 1], a[1][1][2 * st + 1]};
-        wgmma_m64n128k16_bf16_rs(acc0, f0, db, sc);
-        wgmma_m64n128k16_bf16_rs(acc1, f1, db, sc);
+        if constexpr (decltype(half_tile)::value) {
+          wgmma_m64n64k16_bf16_rs(first_half(acc0), f0, db, sc);
+          wgmma_m64n64k16_bf16_rs(first_half(acc1), f1, db, sc);
+        } else {
+          wgmma_m64n128k16_bf16_rs(acc0, f0, db, sc);
+          wgmma_m64n128k16_bf16_rs(acc1, f1, db, sc);
+        }
       }
       wgmma_commit();
       if (kb + 1 < nk) {
@@ -152,12 +167,19 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       if (lane == 0) mbar_arrive(bars.empty(s));
       ++it;
     };
-    uint32_t fa[2][2][8], fb[2][2][8];
-    load_fragments(sbase + (it % kStages) * Plan::kStageBytes, 0, fa);
-    for (int kb = 0; kb < nk; kb += 2) {
-      step(fa, fb, kb);
-      if (kb + 1 < nk) step(fb, fa, kb + 1);
-    }
+    // The k loop, compiled once per wgmma width, so no branch sits between the wgmmas.
+    auto mainloop = [&](auto half_tile) {
+      uint32_t fa[2][2][8], fb[2][2][8];
+      load_fragments(sbase + (it % kStages) * Plan::kStageBytes, 0, fa);
+      for (int kb = 0; kb < nk; kb += 2) {
+        step(fa, fb, kb, half_tile);
+        if (kb + 1 < nk) step(fb, fa, kb + 1, half_tile);
+      }
+    };
+    if (half)
+      mainloop(std::true_type{});
+    else
+      mainloop(std::false_type{});
 
     // ---------------------------------------------------------- epilogue (transposed tiles)
     // Thread holds rows r0 = 16 w4 + l/4 and r0 + 8 (one bf16 pair of output columns) for
@@ -197,6 +219,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         for (int j = 0; j < 16; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
+            if (half && j >= 8) continue;
             const int tl = 8 * j + 2 * cq + e;
             const float wv = wt[tl];
             *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)(tile.m0 + tl) * p.ldo + col) =
