@@ -140,7 +140,6 @@ Operand out_rows(const void* out, int64_t rows, int64_t cols) {
 }
 
 // ---------------------------------------------------------------- launches
-
 // A launch that may start while the previous kernel of the stream still runs (programmatic
 // dependent launch): the kernel itself waits for what it reads (HandOff, griddep_wait).
 template <class Kernel, class... Args>
