@@ -10,25 +10,34 @@
 // Chunks are small so that many CTAs share the work: the place loop is a few rounds of 256
 // slots per CTA, and summing up to a few hundred histogram rows per CTA is cheaper than a
 // separate scan launch (three launches with 4096-slot chunks took 29-33 us at the issue
-// shapes on the H200, these two 13-17 us).
+// shapes on the H200, these two 13-17 us). Every CTA sums every chunk's histogram, so the
+// chunk count is capped (kMaxChunks): beyond 256K slots the chunks grow instead, and the
+// histogram reads stay linear in the slot count.
 #include "flash_moe.cuh"
 
 namespace flash_moe {
 namespace {
 
-constexpr int kChunk = 1024;    // slots per chunk (one block each in count/place)
-constexpr int kThreads = 256;   // threads of count/place blocks
+constexpr int kMinChunk = 1024;  // slots per chunk (one block each in count/place), at least
+constexpr int kMaxChunks = 256;
+constexpr int kThreads = 256;    // threads of count/place blocks
 constexpr int kWarps = kThreads / 32;
 constexpr int kExpertsPerThread = kMaxExperts / kThreads;
 
-__global__ void align_count_kernel(const int32_t* __restrict__ ids, int64_t n, int E,
+// Slots per chunk for n slots: kMinChunk, or more (a multiple of kThreads) to stay within kMaxChunks.
+int64_t chunk_slots(int64_t n) {
+  const int64_t c = (n + kMaxChunks - 1) / kMaxChunks;
+  return c <= kMinChunk ? kMinChunk : (c + kThreads - 1) / kThreads * kThreads;
+}
+
+__global__ void align_count_kernel(const int32_t* __restrict__ ids, int64_t n, int64_t chunk, int E,
                                    int32_t* __restrict__ sorted_ids, int64_t sorted_len,
                                    int32_t sentinel, int32_t* __restrict__ hist) {
   __shared__ int32_t h[kMaxExperts];
   for (int e = threadIdx.x; e < E; e += blockDim.x) h[e] = 0;
   __syncthreads();
-  const int64_t base = (int64_t)blockIdx.x * kChunk;
-  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+  const int64_t base = (int64_t)blockIdx.x * chunk;
+  for (int64_t i = threadIdx.x; i < chunk; i += blockDim.x) {
     const int64_t s = base + i;
     if (s < n) {
       const int e = ids[s];
@@ -101,7 +110,7 @@ __device__ void expert_starts(const int32_t* __restrict__ hist, int nchunks, int
   }
 }
 
-__global__ void align_place_kernel(const int32_t* __restrict__ ids, int64_t n, int E, int block_m,
+__global__ void align_place_kernel(const int32_t* __restrict__ ids, int64_t n, int64_t chunk, int E, int block_m,
                                    const int32_t* __restrict__ hist, int nchunks,
                                    int32_t* __restrict__ expert_ids, int64_t nblocks, int32_t* __restrict__ ntpp,
                                    int32_t* __restrict__ sorted_ids) {
@@ -113,8 +122,8 @@ __global__ void align_place_kernel(const int32_t* __restrict__ ids, int64_t n, i
   expert_starts(hist, nchunks, E, block_m, expert_ids, nblocks, ntpp, running);
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t base = (int64_t)blockIdx.x * kChunk;
-  for (int r = 0; r < kChunk && base + r < n; r += kThreads) {
+  const int64_t base = (int64_t)blockIdx.x * chunk;
+  for (int64_t r = 0; r < chunk && base + r < n; r += kThreads) {
     const int64_t s = base + r + threadIdx.x;
     int e = -1;
     if (s < n) {
@@ -147,7 +156,7 @@ __global__ void align_place_kernel(const int32_t* __restrict__ ids, int64_t n, i
 }  // namespace
 
 int64_t moe_align_workspace_ints(int64_t n_slots, int num_experts) {
-  const int64_t nchunks = (n_slots + kChunk - 1) / kChunk;
+  const int64_t chunk = chunk_slots(n_slots), nchunks = (n_slots + chunk - 1) / chunk;
   return (nchunks > 0 ? nchunks : 1) * num_experts;
 }
 
@@ -156,12 +165,12 @@ cudaError_t moe_align(const int32_t* topk_ids, int64_t n_slots, int num_experts,
                       int32_t* workspace, cudaStream_t stream) {
   if (num_experts <= 0 || num_experts > kMaxExperts || block_m <= 0 || sorted_len % block_m != 0)
     return cudaErrorInvalidValue;
-  const int64_t nchunks = (n_slots + kChunk - 1) / kChunk;
+  const int64_t chunk = chunk_slots(n_slots), nchunks = (n_slots + chunk - 1) / chunk;
   const int grid = (int)(nchunks > 0 ? nchunks : 1);
   int32_t* hist = workspace;
-  align_count_kernel<<<grid, kThreads, 0, stream>>>(topk_ids, n_slots, num_experts, sorted_ids,
+  align_count_kernel<<<grid, kThreads, 0, stream>>>(topk_ids, n_slots, chunk, num_experts, sorted_ids,
                                                    sorted_len, (int32_t)n_slots, hist);
-  align_place_kernel<<<grid, kThreads, 0, stream>>>(topk_ids, n_slots, num_experts, block_m, hist, grid, expert_ids,
+  align_place_kernel<<<grid, kThreads, 0, stream>>>(topk_ids, n_slots, chunk, num_experts, block_m, hist, grid, expert_ids,
                                                    sorted_len / block_m, ntpp, sorted_ids);
   return cudaGetLastError();
 }

@@ -38,7 +38,8 @@ def _rel(a, b):
 # ---------------------------------------------------------------- moe_align
 
 @pytest.mark.parametrize("M,top_k,E,drop", [(1, 1, 1, 0.0), (1, 8, 64, 0.0), (1000, 8, 64, 0.1), (4096, 8, 256, 0.0),
-                                            (333, 16, 512, 0.3), (8192, 2, 7, 0.0), (70000, 4, 128, 0.05)])
+                                            (333, 16, 512, 0.3), (8192, 2, 7, 0.0), (70000, 4, 128, 0.05),
+                                            (65536, 8, 256, 0.02)])
 def test_moe_align_matches_reference(kernel, reference, M, top_k, E, drop):
     g = torch.Generator(device="cuda").manual_seed(M + E)
     ids = torch.randint(0, E, (M, top_k), generator=g, device="cuda", dtype=torch.int32)
