@@ -75,6 +75,7 @@ struct FusedMoeBf16Args {
   int64_t L;                 // sorted_ids length
   int top_k;
   int stages;
+  int bpc;                   // m-blocks per cluster: 1, or 2 (CTA pairs sharing weight loads)
   bool split;                // true: out = result; false: out += result
   void* workspace;           // fused_moe_bf16_workspace_bytes(...) bytes, 256-byte aligned
 };
@@ -101,6 +102,7 @@ struct FusedMoeMxfp8Args {
   int64_t M, K, I, E, L;
   int top_k;
   int stages;                  // kMxfp8Stages
+  int bpc;                     // m-blocks per cluster: 1, or 2 (CTA pairs sharing weight loads)
   bool split;
   void* workspace;             // fused_moe_mxfp8_workspace_bytes(...) bytes, 256-byte aligned
 };

@@ -3,6 +3,7 @@
 //
 //   [mxfp8 only] x -> bf16, K-permuted (the gather then reads bf16 rows)
 //   inverse        pos[slot] = p   (slot -> sorted position)
+//   [bpc = 2 only] units: each expert's m-blocks in pairs for the CTA-pair GEMMs
 //   GEMM1 gate/up  h[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      bf16 h
 //   GEMM2 down     Y[p] = topk_weight[slot(p)] * (h[p] @ W2[e]^T)                 bf16 Y
 //   reduce         out[t] (+)= sum_{k ascending} Y[pos(t*top_k + k)]   in fp32
@@ -17,6 +18,8 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
 
 #include "flash_moe.cuh"
 #include "moe_gemm.cuh"
@@ -39,6 +42,52 @@ __global__ void inverse_kernel(const int32_t* __restrict__ sorted_ids, const int
     const int e = expert_ids[pos / kBlockM];
     if (sid >= 0 && sid < n_slots && e >= 0 && e < E) inv[sid] = pos;
   }
+}
+
+// ---------------------------------------------------------------- CTA-pair units (bpc = 2)
+// One block: the units of gemm::claim_pair in m-block order. Within each run of m-blocks of one
+// valid expert, the blocks at even offsets from the run's start lead: a pair (two units) when
+// the next block is of the same expert, else a lone block (one unit). Blocks of invalid experts
+// are in no unit (the GEMMs skip them, as without pairs).
+constexpr int kUnitThreads = 1024;
+struct MaxOp {
+  __device__ int operator()(int a, int b) const { return a > b ? a : b; }
+};
+__global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t* __restrict__ expert_ids,
+                                                                  const int32_t* __restrict__ ntpp_ptr, int L, int E,
+                                                                  int2* __restrict__ units,
+                                                                  int32_t* __restrict__ num_units) {
+  using Scan = cub::BlockScan<int, kUnitThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int carry[2];  // the last block's run start, units so far
+  int ntpp = *ntpp_ptr;
+  ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
+  const int num_m = (ntpp + gemm::kBM - 1) / gemm::kBM;
+  if (threadIdx.x == 0) carry[0] = carry[1] = 0;
+  __syncthreads();
+  for (int base = 0; base < num_m; base += kUnitThreads) {
+    const int mb = base + threadIdx.x;
+    const bool in = mb < num_m;
+    const int e = in ? expert_ids[mb] : -1;
+    const bool starts = in && (mb == 0 || expert_ids[mb - 1] != e);
+    int run_start;
+    Scan(scan_tmp).InclusiveScan(starts ? mb : carry[0], run_start, MaxOp{});
+    __syncthreads();
+    const bool leads = in && e >= 0 && e < E && ((mb - run_start) & 1) == 0;
+    const bool alone = !(mb + 1 < num_m && expert_ids[mb + 1] == e);
+    int idx, added;
+    Scan(scan_tmp).ExclusiveSum(leads ? (alone ? 1 : 2) : 0, idx, added);
+    idx += carry[1];
+    if (leads && alone) units[idx] = make_int2(mb | gemm::kUnitAlone, -1);
+    if (leads && !alone) {
+      units[idx] = make_int2(mb, mb + 1);
+      units[idx + 1] = make_int2(mb | gemm::kUnitSecondHalf, mb + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == kUnitThreads - 1) carry[0] = run_start, carry[1] += added;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *num_units = carry[1];
 }
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
@@ -140,54 +189,87 @@ Operand out_rows(const void* out, int64_t rows, int64_t cols) {
 }
 
 // ---------------------------------------------------------------- launches
-// A launch that may start while the previous kernel of the stream still runs (programmatic
-// dependent launch): the kernel itself waits for what it reads (HandOff, griddep_wait).
+// after_previous: a programmatic dependent launch, which may start while the previous kernel of
+// the stream still runs (the kernel itself waits for what it reads: HandOff, griddep_wait).
+// cluster: CTAs per cluster (1 or 2).
 template <class Kernel, class... Args>
-cudaError_t launch_after_previous(Kernel kern, dim3 grid, dim3 block, int smem, cudaStream_t stream, Args... args) {
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+cudaError_t launch(Kernel kern, int grid, int block, int smem, bool after_previous, int cluster, cudaStream_t stream,
+                   Args... args) {
+  cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cfg.attrs = attrs;
+  if (after_previous) {
+    attrs[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attrs[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[cfg.numAttrs++].val.clusterDim = {(unsigned)cluster, 1, 1};
+  }
   return cudaLaunchKernelEx(&cfg, kern, args...);
 }
 
-// One persistent launch: a CTA per SM (or per tile when there are fewer tiles).
+// CTA pairs that fit on the device at once (some GPCs may leave an SM without a partner). Every
+// GEMM kernel here takes a whole SM per CTA, so the count is the same for all of them: it is
+// computed once per process (like sm_count), for the first kernel asked about.
+inline int max_pairs(const void* kern, int smem) {
+  static const int n = [&] {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim = {2, 1, 1};
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(2 * (sm_count() / 2));
+    cfg.blockDim = dim3(gemm::kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kern, &cfg) != cudaSuccess || clusters < 1) {
+      (void)cudaGetLastError();
+      clusters = sm_count() / 2;
+    }
+    return clusters;
+  }();
+  return n;
+}
+
+// One persistent launch: a CTA per SM (or per tile when there are fewer tiles); with CTA pairs,
+// a cluster per SM pair.
 template <class Kernel>
 cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, const CUtensorMap& tmB,
-                              const CUtensorMap& tmC, const GemmParams& p, bool after_previous, cudaStream_t stream) {
+                              const CUtensorMap& tmC, const GemmParams& p, bool after_previous, bool paired,
+                              cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
   if (max_tiles == 0) return cudaSuccess;
-  const int grid = (int)(max_tiles < sm_count() ? max_tiles : sm_count());
-  if (after_previous) return launch_after_previous(kern, grid, gemm::kThreads, smem, stream, tmA, tmB, tmC, p);
-  kern<<<grid, gemm::kThreads, smem, stream>>>(tmA, tmB, tmC, p);
-  return cudaGetLastError();
+  const int64_t slots = paired ? max_pairs(reinterpret_cast<const void*>(kern), smem) : sm_count();
+  const int grid = (int)(max_tiles < slots ? max_tiles : slots) * (paired ? 2 : 1);
+  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tmA, tmB, tmC, p);
 }
 
-// Both GEMMs of one op at one pipeline depth.
-template <gemm::Weights kW, int kStages>
+// Both GEMMs of one op at one pipeline depth, with or without CTA pairs.
+template <gemm::Weights kW, int kStages, bool kPaired = false>
 cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
                          const CUtensorMap& tm_h_out, const CUtensorMap& tm_y_out, const GemmParams& p1,
                          const GemmParams& p2, cudaStream_t stream) {
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
-  cudaError_t err =
-      launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages>, smem, tm_w, tm_w, tm_h_out, p1, false, stream);
+  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, tm_w, tm_w,
+                                      tm_h_out, p1, false, kPaired, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages>, smem, tm_h, tm_w2, tm_y_out, p2, true,
-                           stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm_h, tm_w2, tm_y_out, p2,
+                           true, kPaired, stream);
 }
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
 // Workspace: [x as bf16 (mxfp8 only)] h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 |
-// counters, int32: the two GEMMs' tile counters, then h_done per m-block (gemm::HandOff).
+// counters, int32: the two GEMMs' tile counters, then h_done per m-block (gemm::HandOff) |
+// CTA pairs: units (int2, one per m-block at most), their count (pair_units_kernel).
 constexpr int kTileCounterInts = 2;
 struct Workspace {
   __nv_bfloat16* x_bf16;
@@ -196,12 +278,15 @@ struct Workspace {
   int32_t* inv;
   int32_t* tile_counters;
   int32_t* h_done;
+  int2* units;
+  int32_t* num_units;
   int64_t n_slots;
   int64_t counter_ints;
-  static int64_t counters(int64_t L) { return kTileCounterInts + (L + gemm::kBM - 1) / gemm::kBM; }
+  static int64_t blocks(int64_t L) { return (L + gemm::kBM - 1) / gemm::kBM; }
+  static int64_t counters(int64_t L) { return kTileCounterInts + blocks(L); }
   static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x) {
     return (with_x ? align256((size_t)M * K * 2) : 0) + align256((size_t)L * I * 2) + align256((size_t)L * K * 2) +
-           align256((size_t)M * top_k * 4) + align256((size_t)counters(L) * 4);
+           align256((size_t)M * top_k * 4) + align256((size_t)counters(L) * 4) + align256((size_t)(2 * blocks(L) + 1) * 4);
   }
   Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x)
       : n_slots(M * top_k), counter_ints(counters(L)) {
@@ -216,6 +301,9 @@ struct Workspace {
     p += align256((size_t)n_slots * 4);
     tile_counters = reinterpret_cast<int32_t*>(p);
     h_done = tile_counters + kTileCounterInts;
+    p += align256((size_t)counter_ints * 4);
+    units = reinterpret_cast<int2*>(p);
+    num_units = reinterpret_cast<int32_t*>(units + blocks(L));
   }
   // Before the GEMMs: inv = -1 (no position), counters = 0.
   cudaError_t clear(cudaStream_t stream) const {
@@ -272,13 +360,22 @@ cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids,
   return cudaGetLastError();
 }
 
+// bpc = 2: the CTA pairs' units (they read only the routing).
+cudaError_t pair_units(const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws, int64_t E, int64_t L,
+                       GemmParams& p1, GemmParams& p2, cudaStream_t stream) {
+  pair_units_kernel<<<1, kUnitThreads, 0, stream>>>(expert_ids, ntpp, (int)L, (int)E, ws.units, ws.num_units);
+  p1.units = p2.units = ws.units;
+  p1.num_units = p2.num_units = ws.num_units;
+  return cudaGetLastError();
+}
+
 cudaError_t topk_sum(const Workspace& ws, void* out, int64_t M, int64_t K, int top_k, bool split, cudaStream_t stream) {
   const int64_t work = M * (K / 8);
   const int rb = 256;
   int64_t rg = (work + rb - 1) / rb;
   if (rg > 16 * sm_count()) rg = 16 * sm_count();
-  return launch_after_previous(reduce_kernel, (int)rg, rb, 0, stream, (const __nv_bfloat16*)ws.Y, (const int32_t*)ws.inv,
-                               static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
+  return launch(reduce_kernel, (int)rg, rb, 0, true, 1, stream, (const __nv_bfloat16*)ws.Y, (const int32_t*)ws.inv,
+                static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
 }
 
 }  // namespace
@@ -292,7 +389,7 @@ size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t 
 }
 
 cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
-  if (a.stages != 3 && a.stages != 4) return cudaErrorInvalidValue;
+  if ((a.stages != 3 && a.stages != 4) || (a.bpc != 1 && a.bpc != 2)) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, false);
   cudaError_t err = ws.clear(stream);
@@ -309,16 +406,24 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
                 a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    err = a.stages == 4
-              ? launch_gemms<gemm::Weights::kBf16, 4>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
-              : launch_gemms<gemm::Weights::kBf16, 3>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
+    constexpr auto kBf16 = gemm::Weights::kBf16;
+    if (a.bpc == 2) {
+      err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
+      if (err != cudaSuccess) return err;
+      err = a.stages == 4 ? launch_gemms<kBf16, 4, true>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
+                          : launch_gemms<kBf16, 3, true>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
+    } else {
+      err = a.stages == 4 ? launch_gemms<kBf16, 4>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
+                          : launch_gemms<kBf16, 3>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
+    }
     if (err != cudaSuccess) return err;
   }
   return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);
 }
 
 cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
-  if (a.stages != kMxfp8Stages || a.K % 64 != 0 || a.I % 64 != 0) return cudaErrorInvalidValue;
+  if (a.stages != kMxfp8Stages || a.K % 64 != 0 || a.I % 64 != 0 || (a.bpc != 1 && a.bpc != 2))
+    return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, true);
   cudaError_t err = ws.clear(stream);
@@ -344,7 +449,14 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * a.K);
     // The MXFP8 epilogues store from registers: no output maps.
     const CUtensorMap no_map{};
-    err = launch_gemms<gemm::Weights::kMxfp8, kMxfp8Stages>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);
+    constexpr auto kMx = gemm::Weights::kMxfp8;
+    if (a.bpc == 2) {
+      err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
+      if (err != cudaSuccess) return err;
+      err = launch_gemms<kMx, kMxfp8Stages, true>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);
+    } else {
+      err = launch_gemms<kMx, kMxfp8Stages>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);
+    }
     if (err != cudaSuccess) return err;
   }
   return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);

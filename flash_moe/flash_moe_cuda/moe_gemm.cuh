@@ -2,8 +2,9 @@
 // wires one producer and one consumer role per weight format. The roles, a header each:
 //
 //   moe_gemm_schedule.cuh        parameters; tiles claimed in order from a global counter
-//                                (TileOrder, claim_tile) and handed over in TileSlots; the
-//                                per-m-block h handoff from the gate/up to the down GEMM (HandOff)
+//                                (TileOrder, claim_tile; claim_pair for CTA pairs) and handed
+//                                over in TileSlots; the per-m-block h handoff from the gate/up
+//                                to the down GEMM (HandOff)
 //   moe_gemm_stages.cuh          what a shared-memory stage holds (SmemPlan, Mxfp8Plan) and
 //                                the stage ring's mbarriers
 //   moe_gemm_producer.cuh        token rows gathered from x (cp.async) or h rows (TMA); weights
@@ -37,7 +38,9 @@ enum class Weights { kBf16, kMxfp8 };
 template <Weights kW, int kStages>
 using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mxfp8Plan<kStages>>;
 
-template <Weights kW, Kind kKind, int kStages>
+// kPaired: launched in clusters of 2 CTAs (bpc = 2) that walk the same units in step; see Tile's
+// kMulticast / kIdle, TileSlots and Barriers::release for what the pair shares.
+template <Weights kW, Kind kKind, int kStages, bool kPaired = false>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                     const __grid_constant__ CUtensorMap tmC, const GemmParams p) {
@@ -45,18 +48,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
-  const Barriers<kStages> bars{sbase + Plan::kBarOffset};
-  TileSlots slots(sbase + Plan::kSlotOffset);
+  const uint32_t rank = kPaired ? cluster_ctarank() : 0;
+  Barriers<kStages> bars{sbase + Plan::kBarOffset};
+  if (kPaired) bars.peer = peer_smem(bars.base, rank ^ 1);
+  TileSlots slots(sbase + Plan::kSlotOffset, kStages, rank, kPaired);
   const int nk = (p.K + kBK - 1) / kBK;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bars.full(s), full_arrivals<kKind>());
-      mbar_init(bars.empty(s), 8);  // one arrive per consumer warp
+      mbar_init(bars.empty(s), Barriers<kStages>::empty_arrivals(kPaired));  // one arrive per consumer warp
     }
+    slots.init_barriers();
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  // A pair's CTAs arrive on and load into each other's barriers and stages: both must be set up.
+  if (kPaired)
+    cluster_sync();
+  else
+    __syncthreads();
   // The next kernel (the down GEMM after the gate/up GEMM, the top-k sum after the down GEMM)
   // may start its CTAs as soon as SMs free up; HandOff and griddep_wait keep its reads correct.
   griddep_launch_dependents();
@@ -77,6 +87,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     else
       consume_mxfp8<kKind, kStages>(p, sbase, bars, slots, nk);
   }
+  // No CTA of a pair leaves while its peer may still arrive on its barriers.
+  if (kPaired) cluster_sync();
 }
 
 }  // namespace gemm

@@ -44,13 +44,15 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     // half a tile) skips its wgmmas and its stores: the tensor cores then serve the other
     // warpgroup alone. Both GEMMs split the same 128-row blocks the same way, so the h rows a
     // skipped gate/up half leaves unwritten are read only by a skipped down half.
+    // An idle CTA of a pair (kIdle) skips the same way but has no h tile to count.
     const int sid = p.sorted_ids[tile.m0 + cw * 64 + (threadIdx.x & 63)];
-    if (!named_barrier_or(2 + cw, 128, sid >= 0 && sid < p.n_slots)) {
+    const bool idle = tile.flags & kIdle;
+    if (idle || !named_barrier_or(2 + cw, 128, sid >= 0 && sid < p.n_slots)) {
       for (int kb = 0; kb < nk; ++kb, ++it) {
         mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
-        if (lane == 0) mbar_arrive(bars.empty(it % kStages));
+        if (lane == 0) bars.release(it % kStages);
       }
-      if (kKind == Kind::kGateUp) HandOff::count_empty(p, tile);
+      if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
     }
     for (int kb = 0; kb < nk; ++kb, ++it) {
@@ -71,11 +73,11 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
       wgmma_commit();
       if (kb > 0) {
         wgmma_wait<1>();
-        if (lane == 0) mbar_arrive(bars.empty((it - 1) % kStages));
+        if (lane == 0) bars.release((it - 1) % kStages);
       }
     }
     wgmma_wait<0>();
-    if (lane == 0) mbar_arrive(bars.empty((it - 1) % kStages));
+    if (lane == 0) bars.release((it - 1) % kStages);
 
     if (kKind == Kind::kGateUp) {
       handoff.flush<true>(p, 2 + cw);

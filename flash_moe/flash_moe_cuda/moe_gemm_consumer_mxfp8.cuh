@@ -67,6 +67,13 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
   for (;;) {
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
+    if (tile.flags & kIdle) {  // a CTA pair's idle CTA: keep the stages in step, nothing else
+      for (int kb = 0; kb < nk; ++kb, ++it) {
+        mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
+        if (lane == 0) bars.release(it % kStages);
+      }
+      continue;
+    }
     const int n0 = n_origin<kKind>(tile);
     // An expert's last block often holds 64 tokens or fewer (moe_align puts the padding at the
     // end of the block): its tiles multiply only the first 64 token rows (m64n64 wgmma, half
@@ -164,7 +171,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         load_fragments(sbase + (n % kStages) * Plan::kStageBytes, kb + 1, a_next);
       }
       wgmma_wait<0>();  // a is rewritten by the step after next; the other warpgroup fills the gap
-      if (lane == 0) mbar_arrive(bars.empty(s));
+      if (lane == 0) bars.release(s);
       ++it;
     };
     // The k loop, compiled once per wgmma width, so no branch sits between the wgmmas.

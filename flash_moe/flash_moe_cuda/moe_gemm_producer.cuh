@@ -30,10 +30,11 @@ struct GatherA {
   }
   __device__ void begin_tile(const GemmParams& p, const Tile& tile) {
     okmask = 0;
+    const bool idle = tile.flags & kIdle;  // zero-fills: its consumers read nothing
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
       const int sid = p.sorted_ids[tile.m0 + r0 + kRowStep * j];
-      const bool ok = sid >= 0 && sid < p.n_slots;
+      const bool ok = !idle && sid >= 0 && sid < p.n_slots;
       okmask |= (ok ? 1u : 0u) << j;
       src[j] = p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8;
     }
@@ -63,9 +64,10 @@ struct E4m3Weights {
   }
 
   // One thread: TMA both boxes and bulk-copy their scale chunks into `slot` ([box 0][box 1]
-  // [scales]), completing on `bar`.
+  // [scales]), completing on `bar`. A CTA pair's tile (kMulticast): CTA `rank` loads box `rank`
+  // and its scale chunks for both CTAs.
   __device__ static void fetch(const CUtensorMap& tmB, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
-                               uint32_t bar, uint32_t extra_tx = 0) {
+                               uint32_t bar, uint32_t extra_tx, uint32_t rank) {
     int row0[2];
     box_rows(p, t, row0);
     const uint8_t* src[2][2];
@@ -82,15 +84,25 @@ struct E4m3Weights {
       }
     }
     mbar_arrive_expect_tx(bar, bytes + extra_tx);  // extra_tx: what the caller adds on `bar`
-    tma_load_3d(slot, &tmB, kb * kBK, row0[0], t.e, bar);
-    tma_load_3d(slot + kBoxBytes, &tmB, kb * kBK, row0[1], t.e, bar);
+    const bool shared = t.flags & kMulticast;
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < 2; ++b) {
+      if (shared && b != (int)rank) continue;
+      const uint32_t box = slot + b * kBoxBytes;
+      if (shared)
+        tma_load_3d_multicast(box, &tmB, kb * kBK, row0[b], t.e, bar, 0x3);
+      else
+        tma_load_3d(box, &tmB, kb * kBK, row0[b], t.e, bar);
 #pragma unroll
-      for (int j = 0; j < 2; ++j)
-        if (src[b][j])
-          bulk_load(slot + 2 * kBoxBytes + (b * 2 + j) * kScaleChunk, src[b][j], kScaleChunk,
-                    bar);
+      for (int j = 0; j < 2; ++j) {
+        if (!src[b][j]) continue;
+        const uint32_t chunk = slot + 2 * kBoxBytes + (b * 2 + j) * kScaleChunk;
+        if (shared)
+          bulk_load_multicast(chunk, src[b][j], kScaleChunk, bar, 0x3);
+        else
+          bulk_load(chunk, src[b][j], kScaleChunk, bar);
+      }
+    }
   }
 
 };
@@ -119,7 +131,7 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
       mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
       if (threadIdx.x == 0) {
         if (kb == 0) TileSlots::put(slots.stage(s), tile);  // before the arrive in load_stage
-        if (kKind == Kind::kDown && kb == 0) HandOff::wait_ready(p, tile);
+        if (kKind == Kind::kDown && kb == 0 && !(tile.flags & kIdle)) HandOff::wait_ready(p, tile);
         load_stage(tile, kb, stage, bars.full(s));
       }
       if (kKind == Kind::kGateUp) gather.issue(p, kb, stage, bars.full(s));
@@ -147,8 +159,15 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
         const uint32_t b_s = a_s + Plan::kABytes;
         mbar_arrive_expect_tx(full, 2 * Plan::kBBoxBytes + (kKind == Kind::kDown ? Plan::kABytes : 0));
         if (kKind == Kind::kDown) tma_load_2d(a_s, &tmA, kb * kBK, tile.m0, full);
-        tma_load_3d(b_s, &tmB, kb * kBK, n0, tile.e, full);
-        tma_load_3d(b_s + Plan::kBBoxBytes, &tmB, kb * kBK, n0 + p.b_second, tile.e, full);
+        if (tile.flags & kMulticast) {
+          // CTA r of the pair loads box r for both: each weight byte leaves L2 once per pair.
+          const uint32_t r = slots.rank;
+          tma_load_3d_multicast(b_s + r * Plan::kBBoxBytes, &tmB, kb * kBK, n0 + (int)r * p.b_second, tile.e, full,
+                                0x3);
+        } else {
+          tma_load_3d(b_s, &tmB, kb * kBK, n0, tile.e, full);
+          tma_load_3d(b_s + Plan::kBBoxBytes, &tmB, kb * kBK, n0 + p.b_second, tile.e, full);
+        }
       });
 }
 
@@ -160,7 +179,7 @@ __device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, co
   produce_tiles<kKind, kStages, Plan::kStageBytes>(
       p, sbase, bars, slots, nk, [&](const Tile& tile, int kb, uint32_t tok, uint32_t full) {
         E4m3Weights<kKind>::fetch(tmB, p, tile, kb, tok + Plan::kTokBytes, full,
-                                  kKind == Kind::kDown ? Plan::kTokBytes : 0);
+                                  kKind == Kind::kDown ? Plan::kTokBytes : 0, slots.rank);
         if (kKind == Kind::kDown) tma_load_2d(tok, &tmA, kb * kBK, tile.m0, full);
       });
 }

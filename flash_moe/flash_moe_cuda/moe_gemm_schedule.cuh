@@ -1,6 +1,6 @@
 // The grouped GEMM's parameters and its schedule: which tile a CTA computes next (TileOrder,
-// claim_tile: tiles claimed in order from a global counter) and how the producer hands a tile
-// to the consumers (TileSlots).
+// claim_tile: tiles claimed in order from a global counter; claim_pair for CTA pairs) and how
+// the producer hands a tile to the consumers (TileSlots).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,25 +46,51 @@ struct GemmParams {
   int b_rows;                    // rows of B per expert (2I for gate/up, Kd for down)
   int scale_col_groups;          // ceil((K/32) / 4): 512-byte chunks per 128-row group
   int scale_row_groups;          // ceil(E * b_rows / 128)
+  // CTA pairs (bpc = 2) only: the work units pair_units_kernel lists, and their count.
+  const int2* units;
+  const int32_t* num_units;
 };
 
 // ---------------------------------------------------------------- scheduler
 struct Tile {
   int m0, nb, e;  // m0 < 0: the end of the schedule
+  int flags = 0;  // CTA pairs: kMulticast, kIdle
 };
+// CTA pairs (clusters of 2, bpc = 2). kMulticast: the two CTAs compute one n-block for two
+// m-blocks of one expert, and each TMA-multicasts one of the stage's two weight boxes to both.
+// kIdle: this CTA has no tile in the unit (the second CTA of a lone block with an odd n-block
+// count); it loads and keeps its barriers in step with its peer but computes and stores nothing.
+constexpr int kMulticast = 1;
+constexpr int kIdle = 2;
 
-// The (m-block, n-block) grid that num_tokens_post_padded (read on the device) covers, in the
-// order tiles are handed out: the n-blocks of an m-block next to each other (they share its
-// token rows), then the next m-block (an expert's m-blocks are consecutive, so its weight rows
-// are shared num_n tiles apart).
+// The work of CTA pairs as a list of units in m-block order, ceil(num_n / 2) claims each (so no
+// claim is wasted on a lone block, which needs only half as many): each expert's m-blocks taken
+// two at a time, a pair {mb, mb + 1} being two units (its n-blocks j < ceil(num_n / 2), then
+// the rest: kUnitSecondHalf), an odd last block one unit {mb | kUnitAlone, -1} whose n-blocks
+// 2j and 2j + 1 go to the two CTAs. An expert's lone block follows its pairs, so it finds
+// their weights in L2.
+constexpr int kUnitAlone = 1 << 30;
+constexpr int kUnitSecondHalf = 1 << 29;
+constexpr int kUnitBlock = kUnitSecondHalf - 1;
+
+// The order tiles are handed out in, as groups of claims. Single CTAs: the (m-block, n-block)
+// grid that num_tokens_post_padded (read on the device) covers, the n-blocks of an m-block next
+// to each other (they share its token rows), then the next m-block (an expert's m-blocks are
+// consecutive, so its weight rows are shared num_n tiles apart). CTA pairs: the units, each
+// ceil(num_n / 2) claims.
 struct TileOrder {
-  int num_m, num_n;
-  __device__ explicit TileOrder(const GemmParams& p) : num_n(p.num_n) {
+  int groups, per_group;
+  __device__ explicit TileOrder(const GemmParams& p) : per_group(p.num_n) {
+    if (p.units) {
+      groups = *p.num_units;
+      per_group = (p.num_n + 1) / 2;
+      return;
+    }
     int ntpp = *p.ntpp;
     ntpp = ntpp < 0 ? 0 : (ntpp > p.L ? p.L : ntpp);
-    num_m = (ntpp + kBM - 1) / kBM;
+    groups = (ntpp + kBM - 1) / kBM;
   }
-  __device__ int count() const { return num_m * num_n; }
+  __device__ int count() const { return groups * per_group; }
 };
 
 // Tiles are claimed in TileOrder from a counter in global memory (zeroed before the launch),
@@ -77,9 +103,35 @@ __device__ Tile claim_tile(const GemmParams& p, const TileOrder& order) {
   for (;;) {
     const int t = atomicAdd(p.tile_counter, 1);
     if (t >= order.count()) return Tile{-1, 0, 0};
-    const int mb = t / order.num_n, nb = t - mb * order.num_n;
+    const int mb = t / order.per_group, nb = t - mb * order.per_group;
     const int e = p.expert_ids[mb];
     if (e >= 0 && e < p.E) return Tile{mb * kBM, nb, e};
+  }
+}
+
+// CTA pairs: claim t is the (t % half)-th claim of unit t / half, half = ceil(num_n / 2) (see
+// kUnitAlone). The second half of a pair has one claim too many when num_n is odd: skipped.
+struct TilePair {
+  Tile rank[2];
+  __device__ TilePair(const Tile& a, const Tile& b) : rank{a, b} {}
+};
+__device__ TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
+  const int num_n = p.num_n, half = order.per_group;
+  for (;;) {
+    const int t = atomicAdd(p.tile_counter, 1);
+    if (t >= order.count()) return TilePair(Tile{-1, 0, 0, 0}, Tile{-1, 0, 0, 0});
+    const int u = t / half, c = t - u * half;
+    const int2 unit = p.units[u];
+    const int mb = unit.x & kUnitBlock;
+    const int e = p.expert_ids[mb];
+    if (e < 0 || e >= p.E) continue;
+    if (unit.x & kUnitAlone) {
+      const bool odd_end = 2 * c + 1 >= num_n;  // num_n odd: the last n-block has no partner
+      return TilePair(Tile{mb * kBM, 2 * c, e, 0}, Tile{mb * kBM, 2 * c + 1, e, odd_end ? kIdle : 0});
+    }
+    const int j = (unit.x & kUnitSecondHalf) ? half + c : c;
+    if (j >= num_n) continue;
+    return TilePair(Tile{mb * kBM, j, e, kMulticast}, Tile{unit.y * kBM, j, e, kMulticast});
   }
 }
 
@@ -88,24 +140,62 @@ __device__ Tile claim_tile(const GemmParams& p, const TileOrder& order) {
 // read); the tile then travels with its first k-block: the producer writes it into the slot of
 // the stage that holds k-block 0 before arriving on that stage's full barrier, and the
 // consumers read it after their wait. A stage whose slot says m0 < 0 ends the schedule.
+//
+// CTA pairs: rank 0's thread 0 claims for both and writes rank 1's tile into rank 1's claim
+// slot (`full` barrier); rank 1 reads it and frees the slot (`free` barrier in rank 0).
 struct TileSlots {
-  uint32_t base;  // 16 bytes per slot: [2] claim slots, then [stages] stage slots
+  uint32_t base;  // 16 bytes per slot: [2] claim slots, [stages] stage slots, then 4 mbarriers
+  int stages;
+  uint32_t rank;  // in the CTA pair; 0 without pairs
+  bool paired;
   int claims = 0;
-  static constexpr int bytes(int stages) { return (2 + stages) * 16; }
-  __device__ explicit TileSlots(uint32_t addr) : base(addr) {}
+  static constexpr int bytes(int stages) { return (2 + stages) * 16 + 4 * 8; }
+  __device__ TileSlots(uint32_t addr, int stages_, uint32_t rank_, bool paired_)
+      : base(addr), stages(stages_), rank(rank_), paired(paired_) {}
   __device__ uint32_t claim(int i) const { return base + 16 * i; }
   __device__ uint32_t stage(int s) const { return base + 16 * (2 + s); }
-  __device__ static void put(uint32_t slot, const Tile& t) { st_shared_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, 0u); }
+  __device__ uint32_t claim_full(int i) const { return base + 16 * (2 + stages) + 8 * i; }
+  __device__ uint32_t claim_free(int i) const { return base + 16 * (2 + stages) + 16 + 8 * i; }
+  __device__ void init_barriers() const {
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(claim_full(i), 1);
+      mbar_init(claim_free(i), 1);
+    }
+  }
+  __device__ static void put(uint32_t slot, const Tile& t) {
+    st_shared_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
+  }
   __device__ static Tile get(uint32_t slot) {
     const uint4 v = ld_shared_v4(slot);
-    return Tile{(int)v.x, (int)v.y, (int)v.z};
+    return Tile{(int)v.x, (int)v.y, (int)v.z, (int)v.w};
   }
   // Producer threads (all `threads` of them call it): the next tile.
   __device__ Tile next(const GemmParams& p, const TileOrder& order, int threads) {
-    const uint32_t slot = claim(claims++ & 1);
-    if (threadIdx.x == 0) put(slot, claim_tile(p, order));
+    const int i = claims & 1;
+    const uint32_t use = (uint32_t)(claims >> 1);
+    ++claims;
+    const uint32_t slot = claim(i);
+    if (threadIdx.x == 0) {
+      if (!paired) {
+        put(slot, claim_tile(p, order));
+      } else if (rank == 0) {
+        mbar_wait_cluster(claim_free(i), (use & 1) ^ 1);  // rank 1 has read this slot's last tile
+        const TilePair t = claim_pair(p, order);
+        put(slot, t.rank[0]);
+        const Tile& q = t.rank[1];
+        st_peer_v4(peer_smem(slot, 1), (uint32_t)q.m0, (uint32_t)q.nb, (uint32_t)q.e, (uint32_t)q.flags);
+        mbar_arrive_peer(peer_smem(claim_full(i), 1));
+      } else {
+        mbar_wait_cluster(claim_full(i), use & 1);
+      }
+    }
     if (threads > 1) named_barrier_sync(1, threads);
-    return get(slot);
+    const Tile t = get(slot);
+    if (paired && rank == 1) {
+      if (threads > 1) named_barrier_sync(1, threads);  // every thread has read the slot
+      if (threadIdx.x == 0) mbar_arrive_peer(peer_smem(claim_free(i), 0));
+    }
+    return t;
   }
 };
 

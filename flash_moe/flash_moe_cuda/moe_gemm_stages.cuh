@@ -47,11 +47,21 @@ struct Mxfp8Plan {
 };
 
 // ---------------------------------------------------------------- barriers
+// CTA pairs: both CTAs load into each other's stages (multicast), so a stage may be refilled only
+// when the consumers of both are done with it: each consumer warp releases a stage on both
+// CTAs' empty barriers (16 arrivals instead of 8).
 template <int kStages>
 struct Barriers {
   uint32_t base;
+  uint32_t peer = 0;  // `base` in the other CTA of the pair (peer_smem), or 0 without pairs
   __device__ uint32_t full(int s) const { return base + 8 * s; }
   __device__ uint32_t empty(int s) const { return base + 8 * (kStages + s); }
+  __device__ static constexpr uint32_t empty_arrivals(bool paired) { return paired ? 16u : 8u; }
+  // One lane per consumer warp: this warp is done with stage s.
+  __device__ void release(int s) const {
+    mbar_arrive(empty(s));
+    if (peer) mbar_arrive_peer_relaxed(peer + 8 * (kStages + s));
+  }
 };
 
 // Arrivals that complete a stage: gathered tokens = one cp.async arrival per producer thread,

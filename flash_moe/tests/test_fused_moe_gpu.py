@@ -22,12 +22,12 @@ def _inputs(M, K, I, E, top_k, seed=0, drop=0.0, one_expert=None, device="cuda")
     return x, w, w2, ids.contiguous(), wt.contiguous()
 
 
-def _run(kernel, x, w, w2, ids, wt, split=True, out=None):
+def _run(kernel, x, w, w2, ids, wt, split=True, out=None, **tuning):
     E = w.shape[0]
     s, e, n = kernel.moe_align(ids, E)
     if out is None:
         out = torch.full_like(x, float("nan"))  # poisoned: unwritten rows fail
-    kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, out, ids.shape[1], split=split)
+    kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, out, ids.shape[1], split=split, **tuning)
     return out
 
 
@@ -86,10 +86,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("bpc", [1, 2])
 @pytest.mark.parametrize("M,K,I,E,top_k,drop,one", CASES)
-def test_fused_accuracy_vs_fp32(kernel, reference, M, K, I, E, top_k, drop, one):
+def test_fused_accuracy_vs_fp32(kernel, reference, M, K, I, E, top_k, drop, one, bpc):
     x, w, w2, ids, wt = _inputs(M, K, I, E, top_k, seed=M * 7 + K, drop=drop, one_expert=one)
-    out = _run(kernel, x, w, w2, ids, wt)
+    out = _run(kernel, x, w, w2, ids, wt, bpc=bpc)
     truth = reference.moe_fp32(x, w, w2, ids, wt)
     unfused = reference.grouped_mm_path(x, w, w2, ids, wt)
     err, err_unfused = _rel(out, truth), _rel(unfused, truth)
@@ -125,19 +126,47 @@ def test_fused_bit_identical_repeats(kernel):
         assert torch.equal(_run(kernel, x, w, w2, ids, wt), first)
 
 
-def test_cuda_graph_replay_equals_eager(kernel):
+# CTA pairs (bpc = 2) compute every output element with the same instructions in the same order
+# as single CTAs, so the outputs must be bit-identical. The shapes cover pairs and lone blocks
+# (odd and even block counts per expert), odd n-block counts in either GEMM (I = 384, 640:
+# 3 and 5 gate/up n-blocks; K = 640: 3 down n-blocks; an idle CTA in the lone block's last
+# claim), one expert holding every token, E = 256, dropped slots and M = 1.
+PAIR_CASES = [
+    # M, K, I, E, top_k, drop, one_expert, stages
+    (1, 256, 128, 4, 1, 0.0, None, 4),
+    (777, 640, 384, 8, 2, 0.0, None, 4),
+    (1000, 512, 640, 5, 3, 0.1, None, 3),
+    (3000, 1024, 256, 4, 1, 0.0, 2, 4),
+    (2048, 2048, 768, 256, 8, 0.05, None, 4),
+    (4096, 2048, 768, 64, 8, 0.0, None, 3),
+    (2500, 7168, 2048, 32, 8, 0.0, None, 4),
+]
+
+
+@pytest.mark.parametrize("M,K,I,E,top_k,drop,one,stages", PAIR_CASES)
+def test_pairs_bit_identical_to_single(kernel, M, K, I, E, top_k, drop, one, stages):
+    x, w, w2, ids, wt = _inputs(M, K, I, E, top_k, seed=M + K + I, drop=drop, one_expert=one)
+    single = _run(kernel, x, w, w2, ids, wt, stages=stages, bpc=1)
+    paired = _run(kernel, x, w, w2, ids, wt, stages=stages, bpc=2)
+    assert torch.isfinite(single).all()
+    assert torch.equal(paired, single)
+    assert torch.equal(_run(kernel, x, w, w2, ids, wt, stages=stages, bpc=2), paired)
+
+
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_cuda_graph_replay_equals_eager(kernel, bpc):
     x, w, w2, ids, wt = _inputs(1024, 1024, 512, 32, 4, seed=5)
     out = torch.empty_like(x)
-    eager = _run(kernel, x, w, w2, ids, wt).clone()
+    eager = _run(kernel, x, w, w2, ids, wt, bpc=bpc).clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            _run(kernel, x, w, w2, ids, wt, out=out)
+            _run(kernel, x, w, w2, ids, wt, out=out, bpc=bpc)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _run(kernel, x, w, w2, ids, wt, out=out)
+        _run(kernel, x, w, w2, ids, wt, out=out, bpc=bpc)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -145,7 +174,7 @@ def test_cuda_graph_replay_equals_eager(kernel):
     # new routing in the same buffers replays correctly too
     ids.copy_(torch.roll(ids, 1, dims=0))
     graph.replay()
-    assert torch.equal(out, _run(kernel, x, w, w2, ids, wt))
+    assert torch.equal(out, _run(kernel, x, w, w2, ids, wt, bpc=bpc))
 
 
 def test_moe_convenience(kernel, reference):
@@ -186,7 +215,7 @@ def test_bad_inputs(kernel):
          sorted_token_ids=torch.zeros(128, dtype=torch.int32, device="cuda"))
     _bad(kernel, "block_n must be", block_n=64)
     _bad(kernel, "stages must be", stages=7)
-    _bad(kernel, "bpc must be", bpc=2)
+    _bad(kernel, "bpc \\(m-blocks per cluster\\) must be 1 or 2", bpc=3)
     _bad(kernel, "x must be contiguous", x=torch.randn(256, 64, device="cuda").bfloat16().t())
     _bad(kernel, "w must be a CUDA tensor|w must be on the same device", w=w.cpu())
     _bad(kernel, "top_k must be in", top_k=17)
@@ -201,13 +230,15 @@ def test_bad_inputs(kernel):
         kernel.moe_align(ids, 4, block_m=64)
 
 
-def test_garbage_routing_buffers_never_fault(kernel):
+@pytest.mark.parametrize("bpc", [1, 2])
+def test_garbage_routing_buffers_never_fault(kernel, bpc):
     """Out-of-range ids in user-made sorted_token_ids / expert_ids are skipped, no illegal access."""
     x, w, w2, ids, wt = _inputs(64, 256, 128, 4, 2)
     s, e, n = kernel.moe_align(ids, 4)
     s2 = torch.randint(-10**6, 10**6, s.shape, dtype=torch.int32, device="cuda")
     e2 = torch.randint(-100, 100, e.shape, dtype=torch.int32, device="cuda")
+    e2[1::3] = e2[0::3][: e2[1::3].numel()]  # runs of one (possibly valid) expert: pairs
     n2 = torch.tensor([10**9], dtype=torch.int32, device="cuda")
     out = torch.empty_like(x)
-    kernel.fused_moe_bf16(x, w, w2, s2, e2, n2, wt, out, 2)
+    kernel.fused_moe_bf16(x, w, w2, s2, e2, n2, wt, out, 2, bpc=bpc)
     torch.cuda.synchronize()

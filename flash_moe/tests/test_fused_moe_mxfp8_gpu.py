@@ -263,6 +263,28 @@ def test_fused_mxfp8_bit_identical_repeats(kernel):
         assert torch.equal(_run(kernel, d), first)
 
 
+# CTA pairs (bpc = 2): same instructions in the same order per output element, so the same bits.
+# Shapes: pairs and lone blocks, an odd gate/up n-block count (I = 384: 3), an odd down n-block
+# count (K = 640: 3), one expert holding every token, E = 256, dropped slots, M = 1.
+PAIR_CASES = [
+    # M, K, I, E, top_k, drop, one_expert
+    (1, 256, 128, 4, 1, 0.0, None),
+    (777, 640, 384, 8, 2, 0.0, None),
+    (3000, 1024, 256, 4, 1, 0.1, 2),
+    (2048, 2048, 768, 256, 8, 0.05, None),
+    (2500, 7168, 2048, 32, 8, 0.0, None),
+]
+
+
+@pytest.mark.parametrize("M,K,I,E,top_k,drop,one", PAIR_CASES)
+def test_fused_mxfp8_pairs_bit_identical_to_single(kernel, M, K, I, E, top_k, drop, one):
+    d = _inputs(kernel, M, K, I, E, top_k, seed=M + K + I, drop=drop, one_expert=one)
+    single = _run(kernel, d, bpc=1)
+    paired = _run(kernel, d, bpc=2)
+    assert torch.isfinite(single).all()
+    assert torch.equal(paired, single)
+
+
 def test_fused_mxfp8_cuda_graph_replay_equals_eager(kernel):
     d = _inputs(kernel, 1024, 1024, 512, 32, 4, seed=5)
     out = torch.empty(1024, 1024, dtype=torch.bfloat16, device="cuda")
@@ -397,3 +419,4 @@ def test_bad_inputs(kernel):
     _bad(kernel, "(I|w)", w=torch.zeros(4, 80, 256, device="cuda").to(torch.float8_e4m3fn),
          w2=torch.zeros(4, 256, 40, device="cuda").to(torch.float8_e4m3fn))
     _bad(kernel, "stages", stages=9)
+    _bad(kernel, "bpc", bpc=3)

@@ -126,7 +126,6 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   FM_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   FM_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
   FM_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
-  FM_CHECK(bpc == 1, op, ": bpc must be 1, got ", bpc);
   FM_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
   FM_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
               "], got ", top_k);
@@ -234,6 +233,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const char* op = "fused_moe_bf16";
   FM_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
               flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
+  FM_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
   check_dtype(x, at::kBFloat16, op, "x");
@@ -250,6 +250,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   a.w2 = w2.data_ptr();
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, split,
               ws);
+  a.bpc = (int)bpc;
   const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
   FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }
@@ -263,6 +264,7 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   const char* op = "fused_moe_mxfp8";
   FM_CHECK(stages == flash_moe::kMxfp8Stages, op, ": stages must be ", flash_moe::kMxfp8Stages,
            " (the only pipeline depth the MXFP8 kernel is built for), got ", stages);
+  FM_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
   check_dtype(x, at::kFloat8_e4m3fn, op, "x");
@@ -295,6 +297,7 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   a.w2_scales = static_cast<const uint8_t*>(w2_scales.data_ptr());
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, split,
               ws);
+  a.bpc = (int)bpc;
   const cudaError_t err = flash_moe::fused_moe_mxfp8(a, at::cuda::getCurrentCUDAStream());
   FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }

@@ -12,6 +12,8 @@ Public surface (DESIGN §5):
 - ``quantize_mxfp8(t, blocked=False)`` / ``dequantize_mxfp8(vals, scales)`` on the GPU (DESIGN §6),
   ``pack_scales_blocked(scales)`` (pure PyTorch, runs on the GPU too).
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights)``: align + fused op in one call.
+- ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False)``: the ``bpc``
+  (1, or 2 = CTA pairs) measured fastest for a shape; ``moe`` uses it.
 - ``BLOCK_M``, ``MXFP8_SCALE_BLOCK``, ``unsupported_shape_reason``, and ``reference``
   (pure-PyTorch references of every op).
 """
@@ -42,6 +44,7 @@ __all__ = [
     "fused_moe_bf16",
     "fused_moe_mxfp8",
     "moe",
+    "preferred_bpc",
     "unsupported_shape_reason",
     "quantize_mxfp8",
     "dequantize_mxfp8",
@@ -69,6 +72,24 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     return None
 
 
+def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
+                  mxfp8: bool = False) -> int:
+    """The `bpc` of `fused_moe_bf16` / `fused_moe_mxfp8` that measured fastest on the H200 for a
+    shape (flash_moe/NOTES.md, session 7): 2 (CTA pairs sharing weight loads) when the experts
+    average at least two BLOCK_M-slot blocks, and for MXFP8 also dim >= 4096; else 1. The
+    output bits do not depend on `bpc`, only the time does.
+
+    Measured, bpc=2 against bpc=1 (bf16 / mxfp8): -7 % / -2 % at (8192, 7168, 2048, 256, 8),
+    -2 % / -5 % at (8192, 4096, 1536, 128, 8), -0.2 to -3 % / +1 to +3 % at 1024 slots per expert
+    and dim 2048, +3 % / +5 % at (1024, 2048, 768, 128, 8) (one block per expert).
+    """
+    if num_tokens * top_k < 2 * BLOCK_M * num_experts:
+        return 1
+    if mxfp8 and dim < 4096:
+        return 1
+    return 2
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
     """Group the flat routing slots by expert for the fused MoE kernel.
 
@@ -77,7 +98,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, 
             (-1 = token routed to another rank; any other out-of-range id too) are dropped.
         num_experts: E, 1..512.
         block_m: token block of the GEMM; must be BLOCK_M (128).
-        bpc: blocks per cluster; must be 1.
+        bpc: blocks per cluster; must be 1 (fused_moe_bf16 with bpc=2 uses the same alignment).
 
     Returns:
         sorted_token_ids: (L,) int32, L = ceil((M*top_k + E*(block_m-1))/block_m)*block_m.
@@ -125,7 +146,10 @@ def fused_moe_bf16(
         out: (M, K) bf16, written in place and returned.
         top_k: routing fan-out, 1..16.
         block_m, block_n, warp_n, stages, bpc, cpc: tuning; accepted values are exactly
-            block_m=128, block_n=128, warp_n=128, stages in {3, 4}, bpc=1, cpc=1.
+            block_m=128, block_n=128, warp_n=128, stages in {3, 4}, bpc in {1, 2}, cpc=1.
+            bpc=2 runs both GEMMs as clusters of two CTAs: two m-blocks of one expert share
+            each weight load (TMA multicast), an expert's odd last block splits its n-blocks
+            over the pair. Same output bits as bpc=1. Needs no change to `moe_align`.
         split: True -> the op overwrites `out` with the result (every row written, rows of
             tokens with no live slot get 0); False -> the op ADDS the result into `out`
             (the caller pre-zeroes it or passes e.g. a shared-expert output).
@@ -173,7 +197,9 @@ def fused_moe_mxfp8(
         w2: (E, K, I) float8_e4m3fn; w2_scales: blocked layout of its (E*K, I/32) scales.
         K and I multiples of 64 (`unsupported_shape_reason(K, I, mxfp8=True)` says so).
             Routing buffers, topk_weights, out, top_k, split: as in `fused_moe_bf16`.
-            stages: 6 (the only depth implemented).
+            stages: 6 (the only depth implemented). bpc: 1 or 2, as in `fused_moe_bf16`
+            (`preferred_bpc(..., mxfp8=True)` says which is faster). block_m, block_n, warp_n,
+            cpc: the bf16 op's only values.
 
     Semantics (exact MX): every product (q_a 2^sa)(q_b 2^sb) is exact and sums are fp32. The
     kernel dequantizes x once and the weights in registers to bf16 for bf16 wgmma, which is
@@ -227,16 +253,18 @@ def moe(x, w1, w2, w3, topk_ids, topk_weights, out=None, split=True):
         out: optional (M, K) bf16 output (split=False adds into it).
 
     Note: concatenates w1 and w3 into (E, 2I, K) on every call; callers on a hot path should
-    keep the concatenated weight and call `moe_align` + `fused_moe_bf16` directly.
+    keep the concatenated weight and call `moe_align` + `fused_moe_bf16` directly (with
+    `bpc=preferred_bpc(...)`, as here).
     """
-    E = w1.shape[0]
+    E, I, K = w1.shape
     top_k = topk_ids.shape[1]
     w = torch.cat([w1, w3], dim=1).contiguous()
     sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), E)
     if out is None:
         out = torch.empty_like(x)
     return fused_moe_bf16(x, w, w2.contiguous(), sorted_ids, expert_ids, ntpp,
-                          topk_weights.to(torch.float32).contiguous(), out, top_k, split=split)
+                          topk_weights.to(torch.float32).contiguous(), out, top_k,
+                          bpc=preferred_bpc(x.shape[0], K, I, E, top_k), split=split)
 
 
 # ---------------------------------------------------------------- fake kernels (meta / compile)
