@@ -1,7 +1,8 @@
 """`kernels benchmark` convention: Benchmark subclasses for flash_moe (DESIGN §9 shapes).
 
 Run with `kernels benchmark prime-intellect/flash_moe` (or a local path). Each benchmark_*
-method times one fused_moe_bf16 or fused_moe_mxfp8 forward (moe_align included); verify_*
+method times one fused_moe_bf16 or fused_moe_mxfp8 forward (moe_align included, bpc from
+`preferred_bpc`); verify_*
 returns the fp32 reference the runner compares self.out against (for MXFP8: the fp32 MoE of the
 dequantized inputs, i.e. the op's definition; the quantization error itself is measured by
 compare.py).
@@ -39,7 +40,8 @@ class _MoEBench(Benchmark):
     def _forward(self):
         E, k = self.shape[3], self.shape[4]
         s, e, n = self.kernel.moe_align(self.ids, E)
-        self.kernel.fused_moe_bf16(self.x, self.w, self.w2, s, e, n, self.wt, self.out, k)
+        self.kernel.fused_moe_bf16(self.x, self.w, self.w2, s, e, n, self.wt, self.out, k,
+                                   bpc=self.kernel.preferred_bpc(*self.shape))
 
     def _verify(self):
         return _reference().moe_fp32(self.x, self.w, self.w2, self.ids, self.wt).to(torch.bfloat16)
@@ -116,7 +118,7 @@ class _MoEMxfp8Bench(_MoEBench):
         E, k = self.shape[3], self.shape[4]
         s, e, n = self.kernel.moe_align(self.ids, E)
         self.kernel.fused_moe_mxfp8(self.xq, self.xs, self.wq, self.ws, self.w2q, self.w2s, s, e, n, self.wt,
-                                    self.out, k)
+                                    self.out, k, bpc=self.kernel.preferred_bpc(*self.shape, mxfp8=True))
 
     def _verify(self):
         dq = self.kernel.dequantize_mxfp8  # bf16, exact for a quantizer's output

@@ -20,6 +20,10 @@ row-major and blocked scales (GB/s counts 2 B read + 1 B + 1/32 B scale written 
 
 Writes <out>/h200.json (DESIGN §9 schema) and a PNG beside it.
 
+Our ops run with `bpc = flash_moe.preferred_bpc(shape)` (CTA pairs where they measured faster;
+recorded as `bpc` in the row); the op alone is timed with both bpc values (`op_alone_ms`,
+`op_alone_ms_by_bpc`).
+
 Per-kernel device times of our ops (torch.profiler over 5 calls) are printed and recorded as
 `kernels_ms` in their rows unless --no-profile.
 
@@ -212,25 +216,31 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
     def row(impl, ms, err, **extra):
         moe_row(rows, "fused_moe_mxfp8", impl, si, ms, err, quant_floor_rel_err=floor, **extra)
 
+    bpc = kernel.preferred_bpc(T, K, I, E, top_k, mxfp8=True)
+
     def ours(i):
         (xq, xs), ids, wt = qsets[i % n_sets]
         s, e, n = kernel.moe_align(ids, E)
-        kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k)
+        kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k, bpc=bpc)
 
     aligned = [kernel.moe_align(ids, E) for (_, ids, _) in qsets]
 
-    def ours_op(i):
-        (xq, xs), ids, wt = qsets[i % n_sets]
-        s, e, n = aligned[i % n_sets]
-        kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k)
+    def ours_op(b):
+        def call(i):
+            (xq, xs), ids, wt = qsets[i % n_sets]
+            s, e, n = aligned[i % n_sets]
+            kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k, bpc=b)
+        return call
 
     outs[0].fill_(float("nan"))  # poisoned: an unwritten row shows up in the error
     ours(0)
     err = rel(outs[0])
     ms = time_ms(ours, args.iters)
-    ms_op = time_ms(ours_op, args.iters)
-    print(f"{SHAPES[si]} mxfp8 op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
-    row("prime-kernels", ms, err, kernels_ms=profile_kernels(ours) if args.profile else None)
+    ms_by_bpc = {b: round(time_ms(ours_op(b), args.iters), 4) for b in (1, 2)}
+    print(f"{SHAPES[si]} mxfp8 op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
+          f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
+    row("prime-kernels", ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc], op_alone_ms_by_bpc=ms_by_bpc,
+        kernels_ms=profile_kernels(ours) if args.profile else None)
 
     try:
         def deq_unfused(i):
@@ -251,7 +261,8 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
             wd = kernel.dequantize_mxfp8(wq, ws_rm)
             w2d = kernel.dequantize_mxfp8(w2q, w2s_rm)
             s, e, n = kernel.moe_align(ids, E)
-            kernel.fused_moe_bf16(xd, wd, w2d, s, e, n, wt, outs[i % n_sets], top_k)
+            kernel.fused_moe_bf16(xd, wd, w2d, s, e, n, wt, outs[i % n_sets], top_k,
+                                  bpc=kernel.preferred_bpc(T, K, I, E, top_k))
 
         outs[0].fill_(float("nan"))
         deq_fused(0)
@@ -411,32 +422,32 @@ def main():
         def rel(o):
             return ((o.float() - truth).norm() / tn).item()
 
+        bpc = kernel.preferred_bpc(T, K, I, E, top_k)
+
         def ours(i):
             x, ids, wt = sets[i % len(sets)]
             s, e, n = kernel.moe_align(ids, E)
-            kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, outs[i % len(sets)], top_k)
+            kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, outs[i % len(sets)], top_k, bpc=bpc)
 
         aligned = [kernel.moe_align(ids, E) for (_, ids, _) in sets]
 
-        def ours_op(i):
-            x, ids, wt = sets[i % len(sets)]
-            s, e, n = aligned[i % len(sets)]
-            kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, outs[i % len(sets)], top_k)
+        def ours_op(b):
+            def call(i):
+                x, ids, wt = sets[i % len(sets)]
+                s, e, n = aligned[i % len(sets)]
+                kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, outs[i % len(sets)], top_k, bpc=b)
+            return call
 
-        def ours_op3(i):
-            x, ids, wt = sets[i % len(sets)]
-            s, e, n = aligned[i % len(sets)]
-            kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, outs[i % len(sets)], top_k, stages=3)
-
+        outs[0].fill_(float("nan"))  # poisoned: an unwritten row shows up in the error
         ours(0)
         err = rel(outs[0])
         ms = time_ms(ours, args.iters)
-        ms_op = time_ms(ours_op, args.iters)
-        ms_op3 = time_ms(ours_op3, args.iters)
-        print(f"{SHAPES[si]} op alone with stages=3: {ms_op3:.3f} ms", flush=True)
+        ms_by_bpc = {b: round(time_ms(ours_op(b), args.iters), 4) for b in (1, 2)}
         kernels = profile_kernels(ours) if args.profile else None
-        print(f"{SHAPES[si]} op alone: {ms_op:.3f} ms ({flops / ms_op / 1e9:.0f} TFLOP/s)", flush=True)
-        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err, kernels_ms=kernels)
+        print(f"{SHAPES[si]} op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
+              f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
+        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc],
+                op_alone_ms_by_bpc=ms_by_bpc, kernels_ms=kernels)
 
         try:
             wg = w[:, :I].transpose(1, 2)
