@@ -72,22 +72,28 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     return None
 
 
+L2_BYTES = 50 * 2**20  # H100 / H200 L2
+
+
 def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                   mxfp8: bool = False) -> int:
     """The `bpc` of `fused_moe_bf16` / `fused_moe_mxfp8` that measured fastest on the H200 for a
-    shape (flash_moe/NOTES.md, session 7): 2 (CTA pairs sharing weight loads) when the experts
-    average at least two BLOCK_M-slot blocks, and for MXFP8 also dim >= 4096; else 1. The
-    output bits do not depend on `bpc`, only the time does.
+    shape (flash_moe/NOTES.md, v6): 2 (CTA pairs sharing weight loads) for the bf16 op when one
+    expert's gate/up weights (4 * hidden_dim * dim bytes) exceed the 50 MB L2 and the experts
+    average at least two BLOCK_M-slot blocks; else 1. The output bits do not depend on `bpc`,
+    only the time does.
 
-    Measured, bpc=2 against bpc=1 (bf16 / mxfp8): -7 % / -2 % at (8192, 7168, 2048, 256, 8),
-    -2 % / -5 % at (8192, 4096, 1536, 128, 8), -0.2 to -3 % / +1 to +3 % at 1024 slots per expert
-    and dim 2048, +3 % / +5 % at (1024, 2048, 768, 128, 8) (one block per expert).
+    Measured on the H200 (op alone, alternating rounds, several machines), bpc=2 against bpc=1:
+    bf16 -5.5 to -7.3 % at (8192, 7168, 2048, 256, 8); between -2.5 and +1.7 % at
+    (8192, 4096, 1536, 128, 8) and -0.2 to -2.7 % at dim 2048 (noise-level, more spread);
+    +3 % at (1024, 2048, 768, 128, 8). MXFP8: -6 to +9 % at shapes 3-4, +1 to +5 % elsewhere,
+    so never.
     """
+    if mxfp8:
+        return 1
     if num_tokens * top_k < 2 * BLOCK_M * num_experts:
         return 1
-    if mxfp8 and dim < 4096:
-        return 1
-    return 2
+    return 2 if 4 * hidden_dim * dim > L2_BYTES else 1
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
@@ -198,8 +204,8 @@ def fused_moe_mxfp8(
         K and I multiples of 64 (`unsupported_shape_reason(K, I, mxfp8=True)` says so).
             Routing buffers, topk_weights, out, top_k, split: as in `fused_moe_bf16`.
             stages: 6 (the only depth implemented). bpc: 1 or 2, as in `fused_moe_bf16`
-            (`preferred_bpc(..., mxfp8=True)` says which is faster). block_m, block_n, warp_n,
-            cpc: the bf16 op's only values.
+            (2 measured no faster for MXFP8: `preferred_bpc(..., mxfp8=True)` is 1). block_m,
+            block_n, warp_n, cpc: the bf16 op's only values.
 
     Semantics (exact MX): every product (q_a 2^sa)(q_b 2^sb) is exact and sums are fp32. The
     kernel dequantizes x once and the weights in registers to bf16 for bf16 wgmma, which is
