@@ -72,28 +72,22 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     return None
 
 
-L2_BYTES = 50 * 2**20  # H100 / H200 L2
-
-
 def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                   mxfp8: bool = False) -> int:
     """The `bpc` of `fused_moe_bf16` / `fused_moe_mxfp8` that measured fastest on the H200 for a
-    shape (flash_moe/NOTES.md, v6): 2 (CTA pairs sharing weight loads) for the bf16 op when one
-    expert's gate/up weights (4 * hidden_dim * dim bytes) exceed the 50 MB L2 and the experts
-    average at least two BLOCK_M-slot blocks; else 1. The output bits do not depend on `bpc`,
-    only the time does.
+    shape (flash_moe/NOTES.md, v6): 2 (CTA pairs sharing weight loads) for the bf16 op when the
+    experts average at least two BLOCK_M-slot blocks; else 1. The output bits do not depend on
+    `bpc`, only the time does.
 
-    Measured on the H200 (op alone, alternating rounds, several machines), bpc=2 against bpc=1:
-    bf16 -5.5 to -7.3 % at (8192, 7168, 2048, 256, 8); between -2.5 and +1.7 % at
-    (8192, 4096, 1536, 128, 8) and -0.2 to -2.7 % at dim 2048 (noise-level, more spread);
-    +3 % at (1024, 2048, 768, 128, 8). MXFP8: -6 to +9 % at shapes 3-4, +1 to +5 % elsewhere,
-    so never.
+    Measured on the H200 (op alone, alternating, six runs on different machines), bpc=2 against
+    bpc=1, bf16: -5.5 to -7.3 % at (8192, 7168, 2048, 256, 8); -2.4 to +1.7 % (median -1.9 %)
+    at (8192, 4096, 1536, 128, 8); -0.2 to -2.7 % at the two dim-2048 shapes; +3 % at
+    (1024, 2048, 768, 128, 8), one block per expert. MXFP8: -6 to +9 % at shapes 3-4 and
+    +1 to +5 % elsewhere, so never.
     """
-    if mxfp8:
+    if mxfp8 or num_tokens * top_k < 2 * BLOCK_M * num_experts:
         return 1
-    if num_tokens * top_k < 2 * BLOCK_M * num_experts:
-        return 1
-    return 2 if 4 * hidden_dim * dim > L2_BYTES else 1
+    return 2
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
