@@ -79,11 +79,11 @@ def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, 
     experts average at least two BLOCK_M-slot blocks; else 1. The output bits do not depend on
     `bpc`, only the time does.
 
-    Measured on the H200 (op alone, alternating, six runs on different machines), bpc=2 against
-    bpc=1, bf16: -5.5 to -7.3 % at (8192, 7168, 2048, 256, 8); -2.4 to +1.7 % (median -1.9 %)
-    at (8192, 4096, 1536, 128, 8); -0.2 to -2.7 % at the two dim-2048 shapes; +3 % at
+    Measured on the H200 (op alone, seven runs on different machines), bpc=2 against bpc=1,
+    bf16: -5.5 to -7.5 % at (8192, 7168, 2048, 256, 8); -4.4 to +1.7 % (median -2.2 %) at
+    (8192, 4096, 1536, 128, 8); -0.2 to -2.7 % at the two dim-2048 shapes; +3 % at
     (1024, 2048, 768, 128, 8), one block per expert. MXFP8: -6 to +9 % at shapes 3-4 and
-    +1 to +5 % elsewhere, so never.
+    +1 to +6 % elsewhere, so never.
     """
     if mxfp8 or num_tokens * top_k < 2 * BLOCK_M * num_experts:
         return 1
