@@ -162,8 +162,13 @@ struct TileSlots {
       mbar_init(claim_free(i), 1);
     }
   }
+  // kPeer: `slot` is in the other CTA of the pair (peer_smem).
+  template <bool kPeer = false>
   __device__ static void put(uint32_t slot, const Tile& t) {
-    st_shared_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
+    if constexpr (kPeer)
+      st_peer_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
+    else
+      st_shared_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
   }
   __device__ static Tile get(uint32_t slot) {
     const uint4 v = ld_shared_v4(slot);
@@ -179,14 +184,13 @@ struct TileSlots {
       if (!paired) {
         put(slot, claim_tile(p, order));
       } else if (rank == 0) {
-        mbar_wait_cluster(claim_free(i), (use & 1) ^ 1);  // rank 1 has read this slot's last tile
+        mbar_wait<true>(claim_free(i), (use & 1) ^ 1);  // rank 1 has read this slot's last tile
         const TilePair t = claim_pair(p, order);
         put(slot, t.rank[0]);
-        const Tile& q = t.rank[1];
-        st_peer_v4(peer_smem(slot, 1), (uint32_t)q.m0, (uint32_t)q.nb, (uint32_t)q.e, (uint32_t)q.flags);
+        put<true>(peer_smem(slot, 1), t.rank[1]);
         mbar_arrive_peer(peer_smem(claim_full(i), 1));
       } else {
-        mbar_wait_cluster(claim_full(i), use & 1);
+        mbar_wait<true>(claim_full(i), use & 1);
       }
     }
     if (threads > 1) named_barrier_sync(1, threads);

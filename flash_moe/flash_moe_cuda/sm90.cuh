@@ -30,17 +30,29 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                "r"(bytes)
                : "memory");
 }
+// kClusterAcquire: the barrier is arrived on by a peer CTA that wrote this CTA's shared memory
+// first (mbar_arrive_peer), so the wait acquires at cluster scope.
+template <bool kClusterAcquire = false>
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
+  if constexpr (kClusterAcquire)
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
   return ok != 0;
 }
+template <bool kClusterAcquire = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
+  while (!mbar_try_wait<kClusterAcquire>(bar, parity)) {
   }
 }
 
@@ -123,7 +135,7 @@ __device__ __forceinline__ uint32_t peer_smem(uint32_t addr, uint32_t rank) {
 }
 // Arrive on an mbarrier of another CTA of the cluster (`bar` from peer_smem), release at
 // cluster scope: what this thread wrote before (e.g. st_peer_v4) is visible to whoever then
-// waits on it with mbar_wait_cluster. Costly: a consumer warp doing this per k-block made the
+// waits on it with mbar_wait<true>. Costly: a consumer warp doing this per k-block made the
 // op 31-60 % slower than without pairs (session 7, device call 3).
 __device__ __forceinline__ void mbar_arrive_peer(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -133,18 +145,6 @@ __device__ __forceinline__ void mbar_arrive_peer(uint32_t bar) {
 // a multicast pipeline arrives the same way).
 __device__ __forceinline__ void mbar_arrive_peer_relaxed(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Wait on a local mbarrier that a peer CTA arrives on after writing this CTA's shared memory.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t ok = 0;
-  while (!ok) {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
 }
 __device__ __forceinline__ void st_peer_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
