@@ -104,10 +104,11 @@ struct FusedMoeMxfp8Args {
   int stages;                  // kMxfp8Stages
   int bpc;                     // m-blocks per cluster: 1, or 2 (CTA pairs sharing weight loads)
   bool split;
+  bool f16_window = true;      // false: always the general (bf16-operand) gate/up GEMM
   void* workspace;             // fused_moe_mxfp8_workspace_bytes(...) bytes, 256-byte aligned
 };
 
-size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);
+size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t E, int64_t L, int top_k);
 cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------- MXFP8 conversions (DESIGN §6)
@@ -121,9 +122,17 @@ cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                              cudaStream_t stream);
 
+// Internal to fused_moe_mxfp8 (K a multiple of 64):
+// The f16 scale-window scan (mx::kWindow): each weight row's (blocked w_scales) and token's
+// (row-major x_scales) top scale byte, and *misfit = 0 when every row fits the window (1 when
+// force_misfit, or K too long for it).
+cudaError_t mxfp8_scale_window(const uint8_t* w, const uint8_t* w_scales, int64_t w_rows, const uint8_t* x,
+                               const uint8_t* x_scales, int64_t x_rows, int64_t K, bool force_misfit,
+                               uint8_t* w_top, uint8_t* x_top, uint32_t* misfit, cudaStream_t stream);
 // dequantize_mxfp8 with every 64-wide K block stored K-permuted (the layout the MXFP8 GEMM's
-// register-operand path reads; K a multiple of 64). Internal to fused_moe_mxfp8.
+// register-operand path reads): bf16, or f16 in the scale window when *window_misfit == 0.
 cudaError_t dequantize_mxfp8_k64_permuted(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
+                                         const uint8_t* window_top, const uint32_t* window_misfit,
                                          cudaStream_t stream);
 
 }  // namespace flash_moe

@@ -1,7 +1,8 @@
 // Host side of fused_moe_bf16 and fused_moe_mxfp8 (Hopper, sm_90a): tensor maps, workspace,
 // and the launch sequence shared by both ops:
 //
-//   [mxfp8 only] x -> bf16, K-permuted (the gather then reads bf16 rows)
+//   [mxfp8 only] scale window: can the gate/up GEMM run on f16 operands (mx::kWindow)?
+//   [mxfp8 only] x -> f16 or bf16 accordingly, K-permuted (the gather then reads 2-byte rows)
 //   inverse        pos[slot] = p   (slot -> sorted position)
 //   [bpc = 2 only] units: each expert's m-blocks in pairs for the CTA-pair GEMMs
 //   GEMM1 gate/up  h[p] = silu(x[tok(p)] @ Wg[e]^T) * (x[tok(p)] @ Wu[e]^T)      bf16 h
@@ -265,14 +266,34 @@ cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const
                            true, kPaired, stream);
 }
 
+// The MXFP8 op's GEMMs: two gate/up kernels, general (bf16 operands) and f16 (scale window),
+// of which the one window_misfit does not select returns at once, then the down GEMM. The
+// MXFP8 epilogues store from registers: no output maps.
+template <bool kPaired>
+cudaError_t launch_mxfp8_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
+                               const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+  using gemm::Weights;
+  constexpr int kS = kMxfp8Stages;
+  const int smem = gemm::StagePlan<Weights::kMxfp8, kS>::kLaunchBytes;
+  const CUtensorMap no_map{};
+  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kGateUp, kS, kPaired>, smem, tm_w,
+                                      tm_w, no_map, p1, false, kPaired, stream);
+  if (err == cudaSuccess)
+    err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8Window, Kind::kGateUp, kS, kPaired>, smem, tm_w, tm_w,
+                            no_map, p1, false, kPaired, stream);
+  if (err != cudaSuccess) return err;
+  return launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kDown, kS, kPaired>, smem, tm_h, tm_w2, no_map,
+                           p2, true, kPaired, stream);
+}
+
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
-// Workspace: [x as bf16 (mxfp8 only)] h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 |
-// counters, int32: the two GEMMs' tile counters, then h_done per m-block (gemm::HandOff) |
-// CTA pairs: units (int2, one per m-block at most), their count (pair_units_kernel).
+// Workspace: h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 | counters, int32: the two
+// GEMMs' tile counters, then h_done per m-block (gemm::HandOff) | CTA pairs: units (int2, one per
+// m-block at most), their count (pair_units_kernel) | MXFP8 only: x as bf16 or f16 (M, K), the
+// scale window's misfit flag and top bytes per weight row (E * 2I) and per token (M).
 constexpr int kTileCounterInts = 2;
 struct Workspace {
-  __nv_bfloat16* x_bf16;
   __nv_bfloat16* h;
   __nv_bfloat16* Y;
   int32_t* inv;
@@ -280,19 +301,24 @@ struct Workspace {
   int32_t* h_done;
   int2* units;
   int32_t* num_units;
+  void* x16 = nullptr;
+  uint32_t* window_misfit = nullptr;
+  uint8_t* w_top = nullptr;
+  uint8_t* x_top = nullptr;
   int64_t n_slots;
   int64_t counter_ints;
   static int64_t blocks(int64_t L) { return (L + gemm::kBM - 1) / gemm::kBM; }
   static int64_t counters(int64_t L) { return kTileCounterInts + blocks(L); }
-  static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x) {
-    return (with_x ? align256((size_t)M * K * 2) : 0) + align256((size_t)L * I * 2) + align256((size_t)L * K * 2) +
-           align256((size_t)M * top_k * 4) + align256((size_t)counters(L) * 4) + align256((size_t)(2 * blocks(L) + 1) * 4);
+  // mx_w_rows: the MXFP8 op's weight rows E * 2I; 0 for the bf16 op (no MXFP8 regions).
+  static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, int64_t mx_w_rows) {
+    size_t b = align256((size_t)L * I * 2) + align256((size_t)L * K * 2) + align256((size_t)M * top_k * 4) +
+               align256((size_t)counters(L) * 4) + align256((size_t)(2 * blocks(L) + 1) * 4);
+    if (mx_w_rows > 0) b += align256((size_t)M * K * 2) + 256 + align256((size_t)mx_w_rows) + align256((size_t)M);
+    return b;
   }
-  Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k, bool with_x)
+  Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k, int64_t mx_w_rows)
       : n_slots(M * top_k), counter_ints(counters(L)) {
     uint8_t* p = static_cast<uint8_t*>(base);
-    x_bf16 = with_x ? reinterpret_cast<__nv_bfloat16*>(p) : nullptr;
-    p += with_x ? align256((size_t)M * K * 2) : 0;
     h = reinterpret_cast<__nv_bfloat16*>(p);
     p += align256((size_t)L * I * 2);
     Y = reinterpret_cast<__nv_bfloat16*>(p);
@@ -304,6 +330,16 @@ struct Workspace {
     p += align256((size_t)counter_ints * 4);
     units = reinterpret_cast<int2*>(p);
     num_units = reinterpret_cast<int32_t*>(units + blocks(L));
+    p += align256((size_t)(2 * blocks(L) + 1) * 4);
+    if (mx_w_rows > 0) {
+      x16 = p;
+      p += align256((size_t)M * K * 2);
+      window_misfit = reinterpret_cast<uint32_t*>(p);
+      p += 256;
+      w_top = p;
+      p += align256((size_t)mx_w_rows);
+      x_top = p;
+    }
   }
   // Before the GEMMs: inv = -1 (no position), counters = 0.
   cudaError_t clear(cudaStream_t stream) const {
@@ -381,17 +417,17 @@ cudaError_t topk_sum(const Workspace& ws, void* out, int64_t M, int64_t K, int t
 }  // namespace
 
 size_t fused_moe_bf16_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
-  return Workspace::bytes(M, K, I, L, top_k, false);
+  return Workspace::bytes(M, K, I, L, top_k, 0);
 }
 
-size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
-  return Workspace::bytes(M, K, I, L, top_k, true);
+size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t E, int64_t L, int top_k) {
+  return Workspace::bytes(M, K, I, L, top_k, E * 2 * I);
 }
 
 cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if ((a.stages != 3 && a.stages != 4) || (a.bpc != 1 && a.bpc != 2)) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, false);
+  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, 0);
   cudaError_t err = ws.clear(stream);
   if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.E, a.L, stream);
   if (err != cudaSuccess) return err;
@@ -425,13 +461,20 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
   if (a.stages != kMxfp8Stages || a.K % 64 != 0 || a.I % 64 != 0 || (a.bpc != 1 && a.bpc != 2))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, true);
+  const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, a.E * 2 * a.I);
   cudaError_t err = ws.clear(stream);
   if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.E, a.L, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
-    // x is read top_k times by the gather: dequantize it once (M*K*3 bytes, ~1% of the op).
-    err = dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x_bf16, stream);
+    // Which gate/up GEMM runs: f16 operands if every row fits the scale window (mx::kWindow).
+    // Then x, read top_k times by the gather, is dequantized once (M*K*3 bytes, ~1% of the op)
+    // to f16 or bf16 accordingly.
+    err = mxfp8_scale_window(static_cast<const uint8_t*>(a.w), a.w_scales, a.E * 2 * a.I,
+                             static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, !a.f16_window, ws.w_top,
+                             ws.x_top, ws.window_misfit, stream);
+    if (err == cudaSuccess)
+      err = dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x16, ws.x_top,
+                                          ws.window_misfit, stream);
     if (err != cudaSuccess) return err;
     CUtensorMap tm_w, tm_h, tm_w2;
     if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
@@ -439,23 +482,23 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
         !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 1), true))
       return cudaErrorInvalidValue;
     GemmParams p1, p2;
-    make_params(ws.x_bf16, a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M, a.K, a.I, a.E, a.L,
+    make_params(static_cast<const __nv_bfloat16*>(ws.x16), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M, a.K, a.I, a.E, a.L,
                 a.top_k, p1, p2);
     p1.b_scales = a.w_scales;
     p1.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
     p1.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * 2 * a.I);
+    p1.window_misfit = ws.window_misfit;
+    p1.w_top = ws.w_top;
+    p1.x_top = ws.x_top;
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
     p2.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * a.K);
-    // The MXFP8 epilogues store from registers: no output maps.
-    const CUtensorMap no_map{};
-    constexpr auto kMx = gemm::Weights::kMxfp8;
     if (a.bpc == 2) {
       err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
       if (err != cudaSuccess) return err;
-      err = launch_gemms<kMx, kMxfp8Stages, true>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);
+      err = launch_mxfp8_gemms<true>(tm_w, tm_h, tm_w2, p1, p2, stream);
     } else {
-      err = launch_gemms<kMx, kMxfp8Stages>(tm_w, tm_h, tm_w2, no_map, no_map, p1, p2, stream);
+      err = launch_mxfp8_gemms<false>(tm_w, tm_h, tm_w2, p1, p2, stream);
     }
     if (err != cudaSuccess) return err;
   }

@@ -33,7 +33,10 @@ namespace flash_moe {
 namespace gemm {
 
 // ---------------------------------------------------------------- kernel
-enum class Weights { kBf16, kMxfp8 };
+// kMxfp8Window: the MXFP8 gate/up GEMM with f16 operands, for calls whose weight and token rows
+// all fit the f16 scale window (mx::kWindow); its kDown is kMxfp8's. kMxfp8 and kMxfp8Window
+// gate/up kernels are both launched; GemmParams::window_misfit makes one return at once.
+enum class Weights { kBf16, kMxfp8, kMxfp8Window };
 
 template <Weights kW, int kStages>
 using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mxfp8Plan<kStages>>;
@@ -53,6 +56,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (kPaired) bars.peer = peer_smem(bars.base, rank ^ 1);
   TileSlots slots(sbase + Plan::kSlotOffset, kStages, rank, kPaired);
   const int nk = (p.K + kBK - 1) / kBK;
+  if constexpr (kW != Weights::kBf16 && kKind == Kind::kGateUp)
+    if ((*p.window_misfit == 0u) != (kW == Weights::kMxfp8Window)) return;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -85,7 +90,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kW == Weights::kBf16)
       consume_bf16<kKind, kStages>(&tmC, p, sbase, bars, slots, nk);
     else
-      consume_mxfp8<kKind, kStages>(p, sbase, bars, slots, nk);
+      consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,
+                                                                                               slots, nk);
   }
   // No CTA of a pair leaves while its peer may still arrive on its barriers.
   if (kPaired) cluster_sync();

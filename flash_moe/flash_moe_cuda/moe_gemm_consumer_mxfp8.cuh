@@ -52,7 +52,10 @@ __device__ __forceinline__ int mxfp8_tile_row(int cw, int block, int r) {
 // The accumulator registers an m64n64 wgmma uses: the first 32 of the m64n128 layout.
 __device__ __forceinline__ float (&first_half(float (&acc)[64]))[32] { return *reinterpret_cast<float(*)[32]>(&acc[0]); }
 
-template <Kind kKind, int kStages>
+// kT = RsType::kF16 (gate/up only, every row in the f16 scale window, mx::kWindow): the weights
+// become f16 (cvt + one multiply per pair, no NaN test) against f16 tokens, and the epilogue
+// scales the accumulators back by the rows' and tokens' window factors.
+template <Kind kKind, int kStages, RsType kT = RsType::kBf16>
 __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, const TileSlots& slots,
                               int nk) {
   using Plan = Mxfp8Plan<kStages>;
@@ -86,7 +89,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // A thread's e4m3 chunk of block 1 sits a fixed distance after block 0's (the other box,
     // or 64 rows further in the same box, same swizzle phase): one offset per half.
     constexpr uint32_t kBlockStride = kKind == Kind::kGateUp ? Plan::kFp8BoxBytes : 64 * 64;
-    uint32_t q_off[2], sc_off[2][2];
+    uint32_t q_off[2], sc_off[2][2], top[2][2];
     bool live[2][2];
 #pragma unroll
     for (int b = 0; b < 2; ++b)
@@ -98,6 +101,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const int64_t g0 = (int64_t)tile.e * p.b_rows + box_row0;
         const int64_t g = g0 + rib;
         live[b][h] = box_row0 + rib < p.b_rows;
+        if constexpr (kT == RsType::kF16) top[b][h] = live[b][h] ? p.w_top[g] : (uint32_t)mx::kTopMin;
         if (b == 0) q_off[h] = Plan::kTokBytes + box * Plan::kFp8BoxBytes + rib * 64 + ((cq ^ ((rib >> 1) & 3)) << 4);
         sc_off[b][h] = Plan::kTokBytes + 2 * Plan::kFp8BoxBytes +
                        (box * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
@@ -123,23 +127,28 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           byte[b][h] = live[b][h] ? byte[b][h] : 0u;
-          integer_ok &= mx::integer_path_ok(q[b][h], byte[b][h]);
+          if constexpr (kT == RsType::kBf16) integer_ok &= mx::integer_path_ok(q[b][h], byte[b][h]);
         }
+      // dequant(b, h, lo, hi): chunk (b, h) -> 16 bf16 or f16 in lo, hi
       auto convert = [&](auto dequant) {
 #pragma unroll
         for (int b = 0; b < 2; ++b)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             uint4 lo, hi;
-            dequant(q[b][h], byte[b][h], lo, hi);
+            dequant(b, h, lo, hi);
             a[b][h][0] = lo.x; a[b][h][1] = lo.y; a[b][h][2] = lo.z; a[b][h][3] = lo.w;
             a[b][h][4] = hi.x; a[b][h][5] = hi.y; a[b][h][6] = hi.z; a[b][h][7] = hi.w;
           }
       };
-      if (integer_ok)
-        convert(mx::dequant16_integer);
+      if constexpr (kT == RsType::kF16)
+        convert([&](int b, int h, uint4& lo, uint4& hi) {
+          mx::dequant16_f16(q[b][h], mx::f16x2_scale(byte[b][h], top[b][h]), lo, hi);
+        });
+      else if (integer_ok)
+        convert([&](int b, int h, uint4& lo, uint4& hi) { mx::dequant16_integer(q[b][h], byte[b][h], lo, hi); });
       else
-        convert(mx::dequant16_general);
+        convert([&](int b, int h, uint4& lo, uint4& hi) { mx::dequant16_general(q[b][h], byte[b][h], lo, hi); });
     };
     // Software pipeline: while the wgmmas of k-block kb run, the next k-block's fragments are
     // loaded and dequantized into the other register set, so the tensor cores of this warpgroup
@@ -157,11 +166,11 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const uint32_t f0[4] = {a[0][0][2 * st], a[0][1][2 * st], a[0][0][2 * st + 1], a[0][1][2 * st + 1]};
         const uint32_t f1[4] = {a[1][0][2 * st], a[1][1][2 * st], a[1][0][2 * st + 1], a[1][1][2 * st + 1]};
         if constexpr (decltype(half_tile)::value) {
-          wgmma_m64n64k16_bf16_rs(first_half(acc0), f0, db, sc);
-          wgmma_m64n64k16_bf16_rs(first_half(acc1), f1, db, sc);
+          wgmma_rs<kT, 64>(first_half(acc0), f0, db, sc);
+          wgmma_rs<kT, 64>(first_half(acc1), f1, db, sc);
         } else {
-          wgmma_m64n128k16_bf16_rs(acc0, f0, db, sc);
-          wgmma_m64n128k16_bf16_rs(acc1, f1, db, sc);
+          wgmma_rs<kT, 128>(acc0, f0, db, sc);
+          wgmma_rs<kT, 128>(acc1, f1, db, sc);
         }
       }
       wgmma_commit();
@@ -192,24 +201,45 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // Thread holds rows r0 = 16 w4 + l/4 and r0 + 8 (one bf16 pair of output columns) for
     // tokens 8j + 2(l%4) + {0, 1}, j = 0..15.
     const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
+    float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kBM;
     if (kKind == Kind::kGateUp) {
       handoff.flush<false>(p, 2 + cw);
       handoff.pending = tile.m0 / kBM;
+      // f16 path: the products carry 2^(268 - top_w - top_x); the rows' factors are in
+      // registers, the 128 tokens' in wt. Both multiplications are exact (mx::kWindow).
+      float fw[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
+      if constexpr (kT == RsType::kF16) {
+        const int q = threadIdx.x & 127;
+        named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
+        {
+          const int sid = p.sorted_ids[tile.m0 + q];
+          wt[q] = (sid >= 0 && sid < p.n_slots) ? mx::window_factor(p.x_top[sid / p.top_k]) : 1.f;
+        }
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) fw[b][h] = mx::window_factor(top[b][h]);
+        named_barrier_sync(2 + cw, 128);
+      }
       const int col = n0 + 64 * cw + pc;  // physical h column (K-permuted for the down GEMM)
       if (n0 + 64 * cw < p.n_out) {
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int tok = tile.m0 + 8 * j + 2 * cq + e;
-            const float g0 = acc0[4 * j + e], g1 = acc0[4 * j + 2 + e];
-            const float u0 = acc1[4 * j + e], u1 = acc1[4 * j + 2 + e];
+            const int tl = 8 * j + 2 * cq + e, tok = tile.m0 + tl;
+            float g0 = acc0[4 * j + e], g1 = acc0[4 * j + 2 + e];
+            float u0 = acc1[4 * j + e], u1 = acc1[4 * j + 2 + e];
+            if constexpr (kT == RsType::kF16) {
+              const float fx = wt[tl];
+              g0 = g0 * fw[0][0] * fx, g1 = g1 * fw[0][1] * fx;
+              u0 = u0 * fw[1][0] * fx, u1 = u1 * fw[1][1] * fx;
+            }
             *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)tok * p.ldo + col) =
                 __floats2bfloat162_rn(silu_times(g0, u0), silu_times(g1, u1));
           }
       }
     } else {
-      float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kBM;
       const int q = threadIdx.x & 127;
       named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
       {

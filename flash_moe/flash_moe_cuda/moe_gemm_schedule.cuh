@@ -46,6 +46,12 @@ struct GemmParams {
   int b_rows;                    // rows of B per expert (2I for gate/up, Kd for down)
   int scale_col_groups;          // ceil((K/32) / 4): 512-byte chunks per 128-row group
   int scale_row_groups;          // ceil(E * b_rows / 128)
+  // MXFP8 gate/up only. window_misfit: 0 when every weight and token row fits the f16 scale
+  // window (mx::kWindow), set by mxfp8_scale_window; of the two gate/up kernels, the one it does
+  // not select returns at once. w_top / x_top: each weight row's / token's top scale byte.
+  const uint32_t* window_misfit;
+  const uint8_t* w_top;
+  const uint8_t* x_top;
   // CTA pairs (bpc = 2) only: the work units pair_units_kernel lists, and their count.
   const int2* units;
   const int32_t* num_units;

@@ -38,7 +38,8 @@ struct Mxfp8Plan {
   static constexpr int kFp8BoxBytes = E4m3Stage::kBoxBytes;
   static constexpr int kScaleChunk = E4m3Stage::kScaleChunk;
   static constexpr int kStageBytes = kTokBytes + E4m3Stage::kBytes;  // 34 KB
-  static constexpr int kWtOffset = kStages * kStageBytes;  // router weights of the tile, per WG
+  static constexpr int kWtOffset = kStages * kStageBytes;  // per WG: the tile's router weights (down)
+  // or its tokens' window factors (gate/up, f16 path)
   static constexpr int kBarOffset = kWtOffset + 2 * kBM * 4;
   static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
   static constexpr int kBytes = kSlotOffset + TileSlots::bytes(kStages);

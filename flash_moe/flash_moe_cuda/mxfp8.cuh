@@ -111,6 +111,58 @@ __device__ __forceinline__ void dequant16(const uint4& q, uint32_t byte, uint4& 
     dequant16_general(q, byte, lo, hi);
 }
 
+// ---------------------------------------------------------------- the f16 scale window
+// The gate/up GEMM's fast path multiplies in f16 instead of bf16. A row (a weight row of w, or a
+// token of x) whose scale bytes stay within a window of kWindow below its largest byte `top`
+// can hold every q * 2^(byte - top + 7) exactly in f16: |q| <= 448 times 2^7 stays below 65504,
+// and the smallest e4m3 step 2^-9 times 2^-15 is f16's smallest subnormal 2^-24. The row's true
+// values are those f16 values times 2^(top - 134), so the GEMM's fp32 accumulator carries the
+// products scaled by 2^(268 - top_w - top_x), exactly, and the epilogue multiplies that back.
+// Blocks below the window are allowed when all their values are zero (an all-zero block has
+// scale byte 0); byte 255 (NaN) is outside every window and makes its block NaN. `top` must lie
+// in [kTopMin, kTopMax] and K below kMaxK: then |acc| is 0 or in [2^-48, 2^46], both epilogue
+// factors 2^(top - 134) and every product of them with acc are normal fp32, so scaling back is
+// exact, and the result equals the bf16 path's bit for bit (neither path can overflow).
+constexpr int kWindow = 22;
+constexpr int kTopMin = 95, kTopMax = 174;
+constexpr int kMaxK = 1 << 14;
+constexpr int kTopBias = 134;  // top - kTopBias: the exponent of a row's epilogue factor
+
+// f16 bits of 2^(byte - top + 7) in both halves: byte in the window [top - 22, top]. Below the
+// window (all-zero blocks, zero-filled rows) 0; byte 255 an f16 NaN.
+__device__ __forceinline__ uint32_t f16x2_scale(uint32_t byte, uint32_t top) {
+  const int e = static_cast<int>(byte) - static_cast<int>(top) + kWindow;  // f16 biased exponent
+  uint32_t bits = e > 0 ? static_cast<uint32_t>(e) << 10 : (e == 0 ? 0x0200u : 0u);
+  bits = byte == 255u ? 0x7e00u : bits;
+  return bits * 0x00010001u;
+}
+
+// 2^(top - kTopBias) as fp32: a row's epilogue factor.
+__device__ __forceinline__ float window_factor(uint32_t top) {
+  return __uint_as_float(static_cast<uint32_t>(static_cast<int>(top) - kTopBias + 127) << 23);
+}
+
+__device__ __forceinline__ uint32_t f16x2_from_e4m3x2(uint32_t two_bytes) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(static_cast<uint16_t>(two_bytes)));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t f16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// 16 e4m3 values times the f16x2 multiplier `scale` (f16x2_scale) -> 16 f16, exact; e4m3 NaN
+// codes stay NaN. Two instructions per pair, no branch.
+__device__ __forceinline__ void dequant16_f16(const uint4& q, uint32_t scale, uint4& lo, uint4& hi) {
+  lo = make_uint4(f16x2_mul(f16x2_from_e4m3x2(q.x), scale), f16x2_mul(f16x2_from_e4m3x2(q.x >> 16), scale),
+                  f16x2_mul(f16x2_from_e4m3x2(q.y), scale), f16x2_mul(f16x2_from_e4m3x2(q.y >> 16), scale));
+  hi = make_uint4(f16x2_mul(f16x2_from_e4m3x2(q.z), scale), f16x2_mul(f16x2_from_e4m3x2(q.z >> 16), scale),
+                  f16x2_mul(f16x2_from_e4m3x2(q.w), scale), f16x2_mul(f16x2_from_e4m3x2(q.w >> 16), scale));
+}
+
 // The blocked layout of an (R, S) scale matrix (DESIGN §6): 512-byte chunks of 128 rows x 4
 // columns, chunk (r / 128, s / 4) at ((r / 128) * ceil(S / 4) + s / 4) * 512. Unsigned, so the
 // divisions and remainders by powers of two are shifts and masks.

@@ -124,27 +124,40 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
 // One thread per 16 elements (half a scale block). kK64Permuted: every 64-wide K block is
 // written K-permuted for the MXFP8 GEMM's register-operand path (moe_gemm_consumer_mxfp8.cuh, kperm):
 // logical 16c + 4s + j -> physical 16s + 8(j >> 1) + 2c + (j & 1); a thread's 16 elements are
-// one c of one block.
+// one c of one block. With `window` (the GEMM's x pre-pass): when the scale-window scan found
+// every row inside the f16 window, the output is f16 q * 2^(byte - top + 7) (mx::kWindow)
+// instead of bf16.
+struct WindowOut {
+  const uint8_t* top;      // per row
+  const uint32_t* misfit;  // 0: write f16
+};
+
 template <bool kK64Permuted>
 __global__ void __launch_bounds__(kThreadsPerCta) dequantize_kernel(const uint8_t* __restrict__ vals,
                                                                      const uint8_t* __restrict__ scales, int64_t R,
-                                                                     int K, __nv_bfloat16* __restrict__ out) {
+                                                                     int K, uint16_t* __restrict__ out,
+                                                                     WindowOut window) {
   const int chunks_per_row = K / 16;
   const int S = K / kMxfp8ScaleBlock;
   const int64_t total = R * chunks_per_row;
+  const bool f16 = window.misfit != nullptr && *window.misfit == 0u;
   for (int64_t i = (int64_t)blockIdx.x * kThreadsPerCta + threadIdx.x; i < total;
        i += (int64_t)gridDim.x * kThreadsPerCta) {
     const int64_t r = i / chunks_per_row;
     const int q = (int)(i - r * chunks_per_row);
     const uint4 v = *reinterpret_cast<const uint4*>(vals + i * 16);
+    const uint32_t byte = scales[r * S + q / 2];
     uint4 lo, hi;
-    mx::dequant16(v, scales[r * S + q / 2], lo, hi);
+    if (f16)
+      mx::dequant16_f16(v, mx::f16x2_scale(byte, window.top[r]), lo, hi);
+    else
+      mx::dequant16(v, byte, lo, hi);
     if constexpr (!kK64Permuted) {
       reinterpret_cast<uint4*>(out + i * 16)[0] = lo;
       reinterpret_cast<uint4*>(out + i * 16)[1] = hi;
     } else {
       const uint32_t o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // pairs (2k, 2k+1)
-      __nv_bfloat16* block = out + r * K + (q / 4) * 64;
+      uint16_t* block = out + r * K + (q / 4) * 64;
       const int c = q % 4;
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
@@ -157,13 +170,85 @@ __global__ void __launch_bounds__(kThreadsPerCta) dequantize_kernel(const uint8_
 
 template <bool kK64Permuted>
 cudaError_t launch_dequantize(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
-                              cudaStream_t stream) {
+                              WindowOut window, cudaStream_t stream) {
   if (K % (kK64Permuted ? 64 : kMxfp8ScaleBlock) != 0 || K <= 0) return cudaErrorInvalidValue;
   const int64_t chunks = R * (K / 16);
   if (chunks == 0) return cudaSuccess;
   dequantize_kernel<kK64Permuted><<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(
-      vals, scales, R, (int)K, static_cast<__nv_bfloat16*>(out));
+      vals, scales, R, (int)K, static_cast<uint16_t*>(out), window);
   return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- the f16 scale window scan
+// Per row: top = its largest scale byte other than 255, raised to at least mx::kTopMin. The row
+// fits the window when top <= mx::kTopMax and every other byte (255 aside) is at least
+// top - mx::kWindow or scales an all-zero block (its 32 values are read to check). One misfit
+// row anywhere sets *misfit.
+__device__ __forceinline__ bool block_is_zero(const uint8_t* v) {  // 32 e4m3 values, 16-byte aligned
+  const uint4 a = reinterpret_cast<const uint4*>(v)[0], b = reinterpret_cast<const uint4*>(v)[1];
+  return ((a.x | a.y | a.z | a.w | b.x | b.y | b.z | b.w) & 0x7f7f7f7fu) == 0u;
+}
+__device__ __forceinline__ int raise_top(int top) { return top < mx::kTopMin ? mx::kTopMin : top; }
+__device__ __forceinline__ bool below_window(uint32_t byte, int top) {
+  return byte != 255u && static_cast<int>(byte) < top - mx::kWindow;
+}
+
+constexpr int kScanThreads = 128;
+
+// Blocks [0, w_blocks): weight rows, one thread per row, the blocked scales read a word (four
+// scale columns) at a time. Blocks after: token rows, one warp per row, row-major scales.
+__global__ void __launch_bounds__(kScanThreads)
+    window_scan_kernel(const uint8_t* __restrict__ w, const uint8_t* __restrict__ w_scales, int64_t w_rows,
+                       int64_t w_blocks, const uint8_t* __restrict__ x, const uint8_t* __restrict__ x_scales,
+                       int64_t x_rows, int K, uint8_t* __restrict__ w_top, uint8_t* __restrict__ x_top,
+                       uint32_t* __restrict__ misfit) {
+  const int S = K / kMxfp8ScaleBlock;
+  bool fits = true;
+  if ((int64_t)blockIdx.x < w_blocks) {
+    const int64_t r = (int64_t)blockIdx.x * kScanThreads + threadIdx.x;
+    if (r >= w_rows) return;
+    const int S4 = (S + 3) / 4;
+    const uint8_t* words = w_scales + (uint64_t)(r / 128) * S4 * 512 + mx::blocked_offset_in_chunk((uint64_t)r, 0);
+    auto word = [&](int j) { return *reinterpret_cast<const uint32_t*>(words + (int64_t)j * 512); };
+    int top = 0, low = 255;
+    for (int j = 0; j < S4; ++j) {
+      const uint32_t wd = word(j);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int b = (wd >> (8 * c)) & 255;
+        if (4 * j + c < S && b != 255) top = b > top ? b : top, low = b < low ? b : low;
+      }
+    }
+    top = raise_top(top);
+    fits = top <= mx::kTopMax;
+    if (fits && low < top - mx::kWindow)
+      for (int j = 0; j < S4; ++j) {
+        const uint32_t wd = word(j);
+        for (int c = 0; c < 4; ++c) {
+          const int s = 4 * j + c;
+          if (s < S && below_window((wd >> (8 * c)) & 255, top) && !block_is_zero(w + r * K + 32 * s)) fits = false;
+        }
+      }
+    w_top[r] = (uint8_t)top;
+  } else {
+    const int lane = threadIdx.x & 31;
+    const int64_t r = ((int64_t)blockIdx.x - w_blocks) * (kScanThreads / 32) + threadIdx.x / 32;
+    if (r >= x_rows) return;  // whole warps
+    const uint8_t* row = x_scales + r * S;
+    int top = 0;
+    for (int s = lane; s < S; s += 32) {
+      const int b = row[s];
+      if (b != 255) top = b > top ? b : top;
+    }
+    top = raise_top(__reduce_max_sync(0xffffffffu, top));
+    fits = top <= mx::kTopMax;
+    for (int s = lane; s < S; s += 32)
+      if (below_window(row[s], top) && !block_is_zero(x + r * K + 32 * s)) fits = false;
+    fits = __all_sync(0xffffffffu, fits);
+    if (lane != 0) return;
+    x_top[r] = (uint8_t)top;
+  }
+  if (!fits) atomicOr(misfit, 1u);
 }
 
 template <typename T>
@@ -195,12 +280,27 @@ cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K
 
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                              cudaStream_t stream) {
-  return launch_dequantize<false>(vals, scales, R, K, out, stream);
+  return launch_dequantize<false>(vals, scales, R, K, out, WindowOut{}, stream);
 }
 
 cudaError_t dequantize_mxfp8_k64_permuted(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
+                                         const uint8_t* window_top, const uint32_t* window_misfit,
                                          cudaStream_t stream) {
-  return launch_dequantize<true>(vals, scales, R, K, out, stream);
+  return launch_dequantize<true>(vals, scales, R, K, out, WindowOut{window_top, window_misfit}, stream);
+}
+
+cudaError_t mxfp8_scale_window(const uint8_t* w, const uint8_t* w_scales, int64_t w_rows, const uint8_t* x,
+                               const uint8_t* x_scales, int64_t x_rows, int64_t K, bool force_misfit,
+                               uint8_t* w_top, uint8_t* x_top, uint32_t* misfit, cudaStream_t stream) {
+  if (K % 64 != 0 || K <= 0) return cudaErrorInvalidValue;
+  cudaError_t err = cudaMemsetAsync(misfit, force_misfit || K >= mx::kMaxK ? 1 : 0, 4, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t w_blocks = (w_rows + kScanThreads - 1) / kScanThreads;
+  const int64_t x_blocks = (x_rows + kScanThreads / 32 - 1) / (kScanThreads / 32);
+  if (w_blocks + x_blocks == 0) return cudaSuccess;
+  window_scan_kernel<<<(unsigned)(w_blocks + x_blocks), kScanThreads, 0, stream>>>(
+      w, w_scales, w_rows, w_blocks, x, x_scales, x_rows, (int)K, w_top, x_top, misfit);
+  return cudaGetLastError();
 }
 
 }  // namespace flash_moe

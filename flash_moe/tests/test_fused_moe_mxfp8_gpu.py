@@ -285,6 +285,68 @@ def test_fused_mxfp8_pairs_bit_identical_to_single(kernel, M, K, I, E, top_k, dr
     assert torch.equal(paired, single)
 
 
+# The f16 scale-window gate/up GEMM (mx::kWindow in mxfp8.cuh) against the general one
+# (FLASH_MOE_MXFP8_GENERAL=1): products exact in both, the accumulator scaled by a power of two,
+# so the same bits. Shapes: half tiles (E = 256), pairs, K and I not multiples of 128, long K.
+WINDOW_CASES = [
+    # M, K, I, E, top_k, drop, bpc
+    (1, 256, 128, 4, 1, 0.0, 1),
+    (777, 640, 384, 8, 2, 0.0, 1),
+    (2048, 2048, 768, 256, 8, 0.05, 1),
+    (2048, 2048, 768, 64, 8, 0.0, 2),
+    (300, 7168, 2048, 8, 2, 0.1, 1),
+    (64, 320, 192, 4, 2, 0.0, 1),
+]
+
+
+def _general(kernel, d, monkeypatch, **tuning):
+    monkeypatch.setenv("FLASH_MOE_MXFP8_GENERAL", "1")
+    try:
+        return _run(kernel, d, **tuning)
+    finally:
+        monkeypatch.delenv("FLASH_MOE_MXFP8_GENERAL")
+
+
+@pytest.mark.parametrize("M,K,I,E,top_k,drop,bpc", WINDOW_CASES)
+def test_fused_mxfp8_window_bit_identical_to_general(kernel, monkeypatch, M, K, I, E, top_k, drop, bpc):
+    d = _inputs(kernel, M, K, I, E, top_k, seed=M + 3 * K, drop=drop)
+    fast = _run(kernel, d, bpc=bpc)
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast, _general(kernel, d, monkeypatch, bpc=bpc))
+
+
+def _spread_inputs(kernel, spread, seed):
+    """Token and weight rows whose 32-blocks are one pattern times 2^0 .. 2^spread, so every row's
+    scale bytes span exactly `spread`; token 5 and weight row 7 of expert 1 are all zero."""
+    M, K, I, E, top_k = 200, 1024, 256, 4, 2
+    d = _inputs(kernel, M, K, I, E, top_k, seed=seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shifts = torch.arange(K // 32, device="cuda") % (spread + 1)
+    shifts = shifts[torch.randperm(K // 32, generator=g, device="cuda")]
+    factor = torch.exp2(shifts.float() - spread / 2).repeat_interleave(32)
+    pattern = torch.randn(32, generator=g, device="cuda").repeat(K // 32)
+    x = (pattern * factor * torch.randn(M, 1, generator=g, device="cuda").abs()).bfloat16()
+    x[5] = 0
+    w = (d["w"].float() * 0 + pattern * factor / K ** 0.5 * torch.rand(E, 2 * I, 1, generator=g, device="cuda")).bfloat16()
+    w[1, 7] = 0
+    xq, xs = kernel.quantize_mxfp8(x)
+    wq, ws = kernel.quantize_mxfp8(w, blocked=True)
+    d.update(x=x, w=w, q=(xq, xs, wq, ws) + d["q"][4:])
+    return d
+
+
+@pytest.mark.parametrize("spread", [22, 23])  # the f16 window's width, and one past it
+def test_fused_mxfp8_window_edge(kernel, reference, monkeypatch, spread):
+    d = _spread_inputs(kernel, spread, seed=spread)
+    span = _bytes(d["q"][1]).int().cpu()
+    assert (span.max(1).values - span.min(1).values)[torch.arange(200) != 5].eq(spread).all()
+    out = _run(kernel, d)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, _general(kernel, d, monkeypatch))
+    assert _rel(out, _ref_run(kernel, reference, d)) <= 1e-2
+    assert torch.equal(out[5], torch.zeros_like(out[5]))
+
+
 def test_fused_mxfp8_cuda_graph_replay_equals_eager(kernel):
     d = _inputs(kernel, 1024, 1024, 512, 32, 4, seed=5)
     out = torch.empty(1024, 1024, dtype=torch.bfloat16, device="cuda")

@@ -10,6 +10,7 @@
 #include "../flash_moe_cuda/flash_moe.cuh"
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -286,7 +287,7 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   if (d.M == 0) return;
 
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor ws = at::empty({(int64_t)flash_moe::fused_moe_mxfp8_workspace_bytes(d.M, d.K, d.I, d.L, (int)top_k)},
+  at::Tensor ws = at::empty({(int64_t)flash_moe::fused_moe_mxfp8_workspace_bytes(d.M, d.K, d.I, d.E, d.L, (int)top_k)},
                             x.options().dtype(at::kByte));
   flash_moe::FusedMoeMxfp8Args a{};
   a.x = x.data_ptr();
@@ -298,6 +299,10 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, split,
               ws);
   a.bpc = (int)bpc;
+  // Test and debug switch: FLASH_MOE_MXFP8_GENERAL=1 disables the f16 scale-window gate/up GEMM
+  // (same output bits, slower; see the op's docstring).
+  const char* general = std::getenv("FLASH_MOE_MXFP8_GENERAL");
+  a.f16_window = !(general != nullptr && general[0] != '\0' && general[0] != '0');
   const cudaError_t err = flash_moe::fused_moe_mxfp8(a, at::cuda::getCurrentCUDAStream());
   FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }

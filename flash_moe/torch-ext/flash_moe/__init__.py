@@ -209,6 +209,12 @@ def fused_moe_mxfp8(
     SwiGLU output h stays bf16 (not requantized: the down GEMM runs on bf16 tensor cores either
     way), each slot's weighted row is rounded to bf16, the top-k sum is fp32 in ascending k.
     Deterministic and CUDA-graph capturable.
+
+    Speed path (same output bits): the gate/up GEMM runs on f16 operands, which are cheaper to
+    convert from e4m3, when every row of x and of w has its scale bytes (255 aside) within 22 of
+    its largest, that largest in [95, 174], or the lower blocks all zero. A scan of the scales
+    decides this on the GPU on each call (no host sync); otherwise the call takes the bf16
+    path. Environment variable FLASH_MOE_MXFP8_GENERAL=1 forces the bf16 path (for tests).
     """
     ops.fused_moe_mxfp8(
         x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
