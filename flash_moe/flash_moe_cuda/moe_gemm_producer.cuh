@@ -18,7 +18,10 @@ template <int kGatherThreads>
 struct GatherA {
   static constexpr int kRowStep = kGatherThreads / 8;
   static constexpr int kRows = kBM / kRowStep;  // rows per thread
-  const __nv_bfloat16* src[kRows];
+  // Byte address of the thread's chunk in k-block 0 of each row; a padding row points at x's
+  // first row instead (valid memory, never read: its copies zero-fill), so issue() only adds
+  // the k-block offset: two integer adds per copy, no select.
+  const uint8_t* src[kRows];
   uint32_t okmask;
   int c, r0;
   uint32_t swz;
@@ -36,16 +39,16 @@ struct GatherA {
       const int sid = p.sorted_ids[tile.m0 + r0 + kRowStep * j];
       const bool ok = !idle && sid >= 0 && sid < p.n_slots;
       okmask |= (ok ? 1u : 0u) << j;
-      src[j] = p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8;
+      src[j] = reinterpret_cast<const uint8_t*>(p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
     }
   }
   __device__ void issue(const GemmParams& p, int kb, uint32_t a_smem, uint32_t full_bar) const {
-    const bool kok = kb * kBK + c * 8 < p.K;
+    const uint32_t live = kb * kBK + c * 8 < p.K ? okmask : 0u;
+    const uint32_t koff = (uint32_t)kb * (kBK * 2);
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
-      const bool ok = kok && ((okmask >> j) & 1u);
       const uint32_t dst = a_smem + (uint32_t)(r0 + kRowStep * j) * 128u + swz;
-      cp_async_16(dst, ok ? (const void*)(src[j] + kb * kBK) : (const void*)p.x, ok ? 16u : 0u);
+      cp_async_16(dst, src[j] + koff, ((live >> j) & 1u) ? 16u : 0u);
     }
     cp_async_arrive_noinc(full_bar);
   }
