@@ -142,12 +142,18 @@ def torch_dequant(q, scales):
     return (q.to(torch.bfloat16).view(*q.shape[:-1], K // 32, 32) * scale[..., None]).view(q.shape)
 
 
+# gemm::Weights in moe_gemm.cuh, in order: kBf16, kMxfp8, kMxfp8Window (the f16 scale-window gate/up).
+GEMM_WEIGHTS = ("bf16", "mxfp8", "mxfp8-f16")
+
+
 def kernel_label(name):
     """A short name for a profiled kernel: `gemm bf16 gate/up` for moe_gemm_kernel<Weights 0, Kind 0,
     stages>, else the `*_kernel` name (or the event's first 60 characters)."""
     m = re.search(r"moe_gemm_kernel<\(flash_moe::gemm::Weights\)(\d), \(flash_moe::gemm::Kind\)(\d)", name)
     if m:
-        return f"gemm {('bf16', 'mxfp8')[int(m.group(1))]} {('gate/up', 'down')[int(m.group(2))]}"
+        w = int(m.group(1))
+        weights = GEMM_WEIGHTS[w] if w < len(GEMM_WEIGHTS) else f"weights{w}"
+        return f"gemm {weights} {('gate/up', 'down')[int(m.group(2))]}"
     m = re.search(r"(\w+_kernel(<[^>]*>)?)", name)
     return m.group(1) if m else name[:60]
 

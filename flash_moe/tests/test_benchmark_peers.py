@@ -57,4 +57,6 @@ def test_kernel_labels_name_the_gemm_roles(compare):
                "(CUtensorMap_st, CUtensorMap_st, CUtensorMap_st, flash_moe::gemm::GemmParams)")
     assert compare.kernel_label(mangled.format(w=0, k=0)) == "gemm bf16 gate/up"
     assert compare.kernel_label(mangled.format(w=1, k=1)) == "gemm mxfp8 down"
+    assert compare.kernel_label(mangled.format(w=2, k=0)) == "gemm mxfp8-f16 gate/up"
+    assert compare.kernel_label(mangled.format(w=7, k=0)) == "gemm weights7 gate/up"  # a new one: no crash
     assert compare.kernel_label("void flash_moe::(anonymous namespace)::reduce_kernel(int const*)") == "reduce_kernel"
