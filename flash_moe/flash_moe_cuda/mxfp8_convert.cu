@@ -195,8 +195,12 @@ __device__ __forceinline__ bool below_window(uint32_t byte, int top) {
 
 constexpr int kScanThreads = 128;
 
-// Blocks [0, w_blocks): weight rows, one thread per row, the blocked scales read a word (four
-// scale columns) at a time. Blocks after: token rows, one warp per row, row-major scales.
+// Blocks [0, w_blocks): weight rows. In the blocked layout a 128-row group's four scale columns
+// 4j..4j+3 are one 512-byte chunk whose 16 bytes at 16 l hold rows l, l + 32, l + 64, l + 96:
+// so lane l of a warp reads them with one 16-byte load (a warp a whole chunk) and scans those
+// four rows; a block (4 warps) covers 512 rows. Blocks after: token rows, one warp per row,
+// row-major scales.
+constexpr int kScanRowsPerBlock = 4 * kScanThreads;
 __global__ void __launch_bounds__(kScanThreads)
     window_scan_kernel(const uint8_t* __restrict__ w, const uint8_t* __restrict__ w_scales, int64_t w_rows,
                        int64_t w_blocks, const uint8_t* __restrict__ x, const uint8_t* __restrict__ x_scales,
@@ -205,31 +209,44 @@ __global__ void __launch_bounds__(kScanThreads)
   const int S = K / kMxfp8ScaleBlock;
   bool fits = true;
   if ((int64_t)blockIdx.x < w_blocks) {
-    const int64_t r = (int64_t)blockIdx.x * kScanThreads + threadIdx.x;
-    if (r >= w_rows) return;
+    const int lane = threadIdx.x & 31;
+    const int64_t group = (int64_t)blockIdx.x * (kScanRowsPerBlock / 128) + threadIdx.x / 32;  // 128-row group
+    const int64_t r0 = group * 128 + lane;  // rows r0 + 32 q, q = 0..3
+    if (group * 128 >= w_rows) return;  // whole warps
     const int S4 = (S + 3) / 4;
-    const uint8_t* words = w_scales + (uint64_t)(r / 128) * S4 * 512 + mx::blocked_offset_in_chunk((uint64_t)r, 0);
-    auto word = [&](int j) { return *reinterpret_cast<const uint32_t*>(words + (int64_t)j * 512); };
-    int top = 0, low = 255;
+    const uint4* chunks = reinterpret_cast<const uint4*>(w_scales + (uint64_t)group * S4 * 512) + lane;
+    auto words = [&](int j) { return chunks[(int64_t)j * 32]; };  // chunk j: 512 bytes = 32 uint4 further
+    int top[4] = {0, 0, 0, 0}, low[4] = {255, 255, 255, 255};
+#pragma unroll 4
     for (int j = 0; j < S4; ++j) {
-      const uint32_t wd = word(j);
+      const uint4 v = words(j);
+      const uint32_t wd[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int b = (wd >> (8 * c)) & 255;
-        if (4 * j + c < S && b != 255) top = b > top ? b : top, low = b < low ? b : low;
-      }
-    }
-    top = raise_top(top);
-    fits = top <= mx::kTopMax;
-    if (fits && low < top - mx::kWindow)
-      for (int j = 0; j < S4; ++j) {
-        const uint32_t wd = word(j);
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const int s = 4 * j + c;
-          if (s < S && below_window((wd >> (8 * c)) & 255, top) && !block_is_zero(w + r * K + 32 * s)) fits = false;
+          const int b = (wd[q] >> (8 * c)) & 255;
+          if (4 * j + c < S && b != 255) top[q] = b > top[q] ? b : top[q], low[q] = b < low[q] ? b : low[q];
         }
-      }
-    w_top[r] = (uint8_t)top;
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int64_t r = r0 + 32 * q;
+      if (r >= w_rows) continue;  // the layout's padding rows
+      const int t = raise_top(top[q]);
+      bool row_fits = t <= mx::kTopMax;
+      if (row_fits && low[q] < t - mx::kWindow)
+        for (int j = 0; j < S4; ++j) {
+          const uint4 v = words(j);
+          const uint32_t wd = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+          for (int c = 0; c < 4; ++c) {
+            const int s = 4 * j + c;
+            if (s < S && below_window((wd >> (8 * c)) & 255, t) && !block_is_zero(w + r * K + 32 * s)) row_fits = false;
+          }
+        }
+      w_top[r] = (uint8_t)t;
+      fits &= row_fits;
+    }
   } else {
     const int lane = threadIdx.x & 31;
     const int64_t r = ((int64_t)blockIdx.x - w_blocks) * (kScanThreads / 32) + threadIdx.x / 32;
@@ -295,7 +312,7 @@ cudaError_t mxfp8_scale_window(const uint8_t* w, const uint8_t* w_scales, int64_
   if (K % 64 != 0 || K <= 0) return cudaErrorInvalidValue;
   cudaError_t err = cudaMemsetAsync(misfit, force_misfit || K >= mx::kMaxK ? 1 : 0, 4, stream);
   if (err != cudaSuccess) return err;
-  const int64_t w_blocks = (w_rows + kScanThreads - 1) / kScanThreads;
+  const int64_t w_blocks = (w_rows + kScanRowsPerBlock - 1) / kScanRowsPerBlock;
   const int64_t x_blocks = (x_rows + kScanThreads / 32 - 1) / (kScanThreads / 32);
   if (w_blocks + x_blocks == 0) return cudaSuccess;
   window_scan_kernel<<<(unsigned)(w_blocks + x_blocks), kScanThreads, 0, stream>>>(
