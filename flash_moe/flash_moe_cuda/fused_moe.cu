@@ -482,8 +482,8 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
         !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 1), true))
       return cudaErrorInvalidValue;
     GemmParams p1, p2;
-    make_params(static_cast<const __nv_bfloat16*>(ws.x16), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M, a.K, a.I, a.E, a.L,
-                a.top_k, p1, p2);
+    make_params(static_cast<const __nv_bfloat16*>(ws.x16), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws,
+                a.M, a.K, a.I, a.E, a.L, a.top_k, p1, p2);
     p1.b_scales = a.w_scales;
     p1.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
     p1.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * 2 * a.I);

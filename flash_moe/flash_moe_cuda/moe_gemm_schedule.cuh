@@ -22,7 +22,8 @@ constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 enum class Kind { kGateUp, kDown };
 
 struct GemmParams {
-  const __nv_bfloat16* x;        // kGateUp: the gathered A source (M, K) bf16
+  const __nv_bfloat16* x;        // kGateUp: the gathered token rows (M, K), bf16 (f16 on the
+                                 // MXFP8 scale-window path: the gather only moves 2-byte values)
   const int32_t* sorted_ids;
   const int32_t* expert_ids;
   const int32_t* ntpp;
