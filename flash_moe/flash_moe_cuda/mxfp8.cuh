@@ -130,8 +130,10 @@ constexpr int kTopBias = 134;  // top - kTopBias: the exponent of a row's epilog
 
 // f16 bits of 2^(byte - top + 7) in both halves: byte in the window [top - 22, top]. Below the
 // window (all-zero blocks, zero-filled rows) 0; byte 255 an f16 NaN.
+constexpr int kExpOffset = 15 + 7;  // f16's exponent bias, plus the 7 of 2^(byte - top + 7)
+static_assert(kWindow <= kExpOffset, "the window's lowest multiplier 2^(7 - kWindow) must be an f16");
 __device__ __forceinline__ uint32_t f16x2_scale(uint32_t byte, uint32_t top) {
-  const int e = static_cast<int>(byte) - static_cast<int>(top) + kWindow;  // f16 biased exponent
+  const int e = static_cast<int>(byte) - static_cast<int>(top) + kExpOffset;  // f16 biased exponent
   uint32_t bits = e > 0 ? static_cast<uint32_t>(e) << 10 : (e == 0 ? 0x0200u : 0u);
   bits = byte == 255u ? 0x7e00u : bits;
   return bits * 0x00010001u;
