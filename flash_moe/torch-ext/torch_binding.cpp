@@ -127,6 +127,7 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   FM_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   FM_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
   FM_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
+  FM_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
   FM_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
   FM_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
               "], got ", top_k);
@@ -207,7 +208,7 @@ void check_scales(const at::Tensor& s, const at::Tensor& x, int64_t numel, const
 template <class Args>
 void set_routing(Args& a, const MoeDims& d, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                  const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
-                 int64_t top_k, int64_t stages, bool split, at::Tensor& ws) {
+                 int64_t top_k, int64_t stages, int64_t bpc, bool split, at::Tensor& ws) {
   a.sorted_ids = sorted_token_ids.data_ptr<int32_t>();
   a.expert_ids = expert_ids.data_ptr<int32_t>();
   a.ntpp = num_tokens_post_padded.data_ptr<int32_t>();
@@ -220,6 +221,7 @@ void set_routing(Args& a, const MoeDims& d, const at::Tensor& sorted_token_ids, 
   a.L = d.L;
   a.top_k = (int)top_k;
   a.stages = (int)stages;
+  a.bpc = (int)bpc;
   a.split = split;
   a.workspace = ws.data_ptr();
 }
@@ -234,7 +236,6 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const char* op = "fused_moe_bf16";
   FM_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
               flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
-  FM_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
   check_dtype(x, at::kBFloat16, op, "x");
@@ -249,9 +250,8 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   a.x = x.data_ptr();
   a.w = w.data_ptr();
   a.w2 = w2.data_ptr();
-  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, split,
-              ws);
-  a.bpc = (int)bpc;
+  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, bpc,
+              split, ws);
   const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
   FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }
@@ -265,7 +265,6 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   const char* op = "fused_moe_mxfp8";
   FM_CHECK(stages == flash_moe::kMxfp8Stages, op, ": stages must be ", flash_moe::kMxfp8Stages,
            " (the only pipeline depth the MXFP8 kernel is built for), got ", stages);
-  FM_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
   check_dtype(x, at::kFloat8_e4m3fn, op, "x");
@@ -296,9 +295,8 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   a.w_scales = static_cast<const uint8_t*>(w_scales.data_ptr());
   a.w2 = w2.data_ptr();
   a.w2_scales = static_cast<const uint8_t*>(w2_scales.data_ptr());
-  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, split,
-              ws);
-  a.bpc = (int)bpc;
+  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, bpc,
+              split, ws);
   // Test and debug switch: FLASH_MOE_MXFP8_GENERAL=1 disables the f16 scale-window gate/up GEMM
   // (same output bits, slower; see the op's docstring).
   const char* general = std::getenv("FLASH_MOE_MXFP8_GENERAL");
