@@ -232,6 +232,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
         moe_row(rows, "fused_moe_mxfp8", impl, si, ms, err, quant_floor_rel_err=floor, **extra)
 
     bpc = kernel.preferred_bpc(T, K, I, E, top_k, mxfp8=True)
+    bf16_bpc = kernel.preferred_bpc(T, K, I, E, top_k)  # for the dequant+fused_bf16 row
 
     def ours(i):
         (xq, xs), ids, wt = qsets[i % n_sets]
@@ -276,8 +277,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
             wd = kernel.dequantize_mxfp8(wq, ws_rm)
             w2d = kernel.dequantize_mxfp8(w2q, w2s_rm)
             s, e, n = kernel.moe_align(ids, E)
-            kernel.fused_moe_bf16(xd, wd, w2d, s, e, n, wt, outs[i % n_sets], top_k,
-                                  bpc=kernel.preferred_bpc(T, K, I, E, top_k))
+            kernel.fused_moe_bf16(xd, wd, w2d, s, e, n, wt, outs[i % n_sets], top_k, bpc=bf16_bpc)
 
         outs[0].fill_(float("nan"))
         deq_fused(0)

@@ -272,6 +272,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
   else
     FM_WGMMA_RS("m64n64k16", "bf16", FM_WGMMA_REGS32, FM_WGMMA_ACC32, "%37", "{%32, %33, %34, %35}, %36");
 }
+#undef FM_WGMMA_RS
+#undef FM_WGMMA_ACC64
+#undef FM_WGMMA_ACC32
+#undef FM_WGMMA_REGS64
+#undef FM_WGMMA_REGS32
 
 }  // namespace sm90
 }  // namespace flash_moe
