@@ -130,7 +130,8 @@ def test_fused_bit_identical_repeats(kernel):
 # as single CTAs, so the outputs must be bit-identical. The shapes cover pairs and lone blocks
 # (odd and even block counts per expert), odd n-block counts in either GEMM (I = 384, 640:
 # 3 and 5 gate/up n-blocks; K = 640: 3 down n-blocks; an idle CTA in the lone block's last
-# claim), one expert holding every token, E = 256, dropped slots and M = 1.
+# claim; a three-block run per expert with odd n-block counts in both GEMMs), one expert
+# holding every token, E = 256, dropped slots and M = 1.
 PAIR_CASES = [
     # M, K, I, E, top_k, drop, one_expert, stages
     (1, 256, 128, 4, 1, 0.0, None, 4),
@@ -140,6 +141,7 @@ PAIR_CASES = [
     (2048, 2048, 768, 256, 8, 0.05, None, 4),
     (4096, 2048, 768, 64, 8, 0.0, None, 3),
     (2500, 7168, 2048, 32, 8, 0.0, None, 4),
+    (1500, 640, 384, 4, 1, 0.0, None, 4),
 ]
 
 

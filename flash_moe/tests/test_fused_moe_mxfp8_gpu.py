@@ -265,7 +265,8 @@ def test_fused_mxfp8_bit_identical_repeats(kernel):
 
 # CTA pairs (bpc = 2): same instructions in the same order per output element, so the same bits.
 # Shapes: pairs and lone blocks, an odd gate/up n-block count (I = 384: 3), an odd down n-block
-# count (K = 640: 3), one expert holding every token, E = 256, dropped slots, M = 1.
+# count (K = 640: 3), both with a pair and a lone block per expert, one expert holding every
+# token, E = 256, dropped slots, M = 1.
 PAIR_CASES = [
     # M, K, I, E, top_k, drop, one_expert
     (1, 256, 128, 4, 1, 0.0, None),
@@ -273,6 +274,7 @@ PAIR_CASES = [
     (3000, 1024, 256, 4, 1, 0.1, 2),
     (2048, 2048, 768, 256, 8, 0.05, None),
     (2500, 7168, 2048, 32, 8, 0.0, None),
+    (1500, 640, 384, 4, 1, 0.0, None),
 ]
 
 
