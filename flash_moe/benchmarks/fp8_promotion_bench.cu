@@ -49,21 +49,18 @@ __global__ void __launch_bounds__(256, 1) bench(int steps, float* sink, const fl
   float sb[kMode == 3 ? 8 : 32];
 #pragma unroll
   for (int j = 0; j < (kMode == 3 ? 8 : 32); ++j) sb[j] = scales[(j + lane) & 63];
-  if constexpr (kMode == 0) {
+  if constexpr (kMode <= 1) {
+    // k32 per step, accumulated in place: two bf16 k16 halves (32 bytes each), or one e4m3 k32
+    // (32 bytes); either way the steps walk the 128-byte rows
     for (int s = 0; s < steps; ++s) {
-      const int k = (s & 1) * 64;  // the two k16 halves of a k32 step: 32 bytes each
+      const int k = kMode == 0 ? (s & 1) * 64 : (s & 3) * 32;
       wgmma_fence();
-      wgmma_m64n128k16_bf16(acc, make_desc_sw128(a_s + k), make_desc_sw128(b_s + k), 1);
-      wgmma_m64n128k16_bf16(acc, make_desc_sw128(a_s + k + 32), make_desc_sw128(b_s + k + 32), 1);
-      wgmma_commit();
-      wgmma_wait<1>();
-    }
-    wgmma_wait<0>();
-  } else if constexpr (kMode == 1) {
-    for (int s = 0; s < steps; ++s) {
-      const int k = s & 3;
-      wgmma_fence();
-      wgmma_m64n128k32_e4m3(acc, make_desc_sw128(a_s + k * 32), make_desc_sw128(b_s + k * 32), 1);
+      if constexpr (kMode == 0) {
+        wgmma_m64n128k16_bf16(acc, make_desc_sw128(a_s + k), make_desc_sw128(b_s + k), 1);
+        wgmma_m64n128k16_bf16(acc, make_desc_sw128(a_s + k + 32), make_desc_sw128(b_s + k + 32), 1);
+      } else {
+        wgmma_m64n128k32_e4m3(acc, make_desc_sw128(a_s + k), make_desc_sw128(b_s + k), 1);
+      }
       wgmma_commit();
       wgmma_wait<1>();
     }

@@ -32,24 +32,22 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 }
 // kClusterAcquire: the barrier is arrived on by a peer CTA that wrote this CTA's shared memory
 // first (mbar_arrive_peer), so the wait acquires at cluster scope.
+#define FM_MBAR_TRY_WAIT(SEM)                                                                     \
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity" SEM ".shared::cta.b64 p, [%1], %2;\n" \
+               "selp.u32 %0, 1, 0, p;\n}"                                                         \
+               : "=r"(ok)                                                                         \
+               : "r"(bar), "r"(parity)                                                            \
+               : "memory")
 template <bool kClusterAcquire = false>
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
   if constexpr (kClusterAcquire)
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
+    FM_MBAR_TRY_WAIT(".acquire.cluster");
   else
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
+    FM_MBAR_TRY_WAIT("");
   return ok != 0;
 }
+#undef FM_MBAR_TRY_WAIT
 template <bool kClusterAcquire = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   while (!mbar_try_wait<kClusterAcquire>(bar, parity)) {
