@@ -124,8 +124,8 @@ cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t
 
 // Internal to fused_moe_mxfp8 (K a multiple of 64):
 // The f16 scale-window scan (mx::kWindow): each weight row's (blocked w_scales) and token's
-// (row-major x_scales) top scale byte, and *misfit = 0 when every row fits the window (1 when
-// force_misfit, or K too long for it).
+// (row-major x_scales) top scale byte; *misfit, zero on entry, stays 0 when every row fits the
+// window (becomes nonzero when one does not, when force_misfit, or when K is too long for it).
 cudaError_t mxfp8_scale_window(const uint8_t* w, const uint8_t* w_scales, int64_t w_rows, const uint8_t* x,
                                const uint8_t* x_scales, int64_t x_rows, int64_t K, bool force_misfit,
                                uint8_t* w_top, uint8_t* x_top, uint32_t* misfit, cudaStream_t stream);

@@ -288,11 +288,13 @@ cudaError_t launch_mxfp8_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h,
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
-// Workspace: h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 | counters, int32: the two
-// GEMMs' tile counters, then h_done per m-block (gemm::HandOff) | CTA pairs: units (int2, one per
-// m-block at most), their count (pair_units_kernel) | MXFP8 only: x as bf16 or f16 (M, K), the
-// scale window's misfit flag and top bytes per weight row (E * 2I) and per token (M).
+// Workspace: h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 | counters, int32, zeroed per
+// call: the two GEMMs' tile counters, the scale window's misfit flag (MXFP8), then h_done per
+// m-block (gemm::HandOff) | CTA pairs: units (int2, one per m-block at most), their count
+// (pair_units_kernel) | MXFP8 only: x as bf16 or f16 (M, K), the scale window's top bytes per
+// weight row (E * 2I) and per token (M).
 constexpr int kTileCounterInts = 2;
+constexpr int kCounterHeaderInts = kTileCounterInts + 1;  // + the misfit flag
 struct Workspace {
   __nv_bfloat16* h;
   __nv_bfloat16* Y;
@@ -308,12 +310,12 @@ struct Workspace {
   int64_t n_slots;
   int64_t counter_ints;
   static int64_t blocks(int64_t L) { return (L + gemm::kBM - 1) / gemm::kBM; }
-  static int64_t counters(int64_t L) { return kTileCounterInts + blocks(L); }
+  static int64_t counters(int64_t L) { return kCounterHeaderInts + blocks(L); }
   // mx_w_rows: the MXFP8 op's weight rows E * 2I; 0 for the bf16 op (no MXFP8 regions).
   static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, int64_t mx_w_rows) {
     size_t b = align256((size_t)L * I * 2) + align256((size_t)L * K * 2) + align256((size_t)M * top_k * 4) +
                align256((size_t)counters(L) * 4) + align256((size_t)(2 * blocks(L) + 1) * 4);
-    if (mx_w_rows > 0) b += align256((size_t)M * K * 2) + 256 + align256((size_t)mx_w_rows) + align256((size_t)M);
+    if (mx_w_rows > 0) b += align256((size_t)M * K * 2) + align256((size_t)mx_w_rows) + align256((size_t)M);
     return b;
   }
   Workspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k, int64_t mx_w_rows)
@@ -326,7 +328,8 @@ struct Workspace {
     inv = reinterpret_cast<int32_t*>(p);
     p += align256((size_t)n_slots * 4);
     tile_counters = reinterpret_cast<int32_t*>(p);
-    h_done = tile_counters + kTileCounterInts;
+    window_misfit = reinterpret_cast<uint32_t*>(tile_counters + kTileCounterInts);
+    h_done = tile_counters + kCounterHeaderInts;
     p += align256((size_t)counter_ints * 4);
     units = reinterpret_cast<int2*>(p);
     num_units = reinterpret_cast<int32_t*>(units + blocks(L));
@@ -334,8 +337,6 @@ struct Workspace {
     if (mx_w_rows > 0) {
       x16 = p;
       p += align256((size_t)M * K * 2);
-      window_misfit = reinterpret_cast<uint32_t*>(p);
-      p += 256;
       w_top = p;
       p += align256((size_t)mx_w_rows);
       x_top = p;

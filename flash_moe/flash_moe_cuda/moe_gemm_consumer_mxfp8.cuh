@@ -210,7 +210,9 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       float fw[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
       if constexpr (kT == RsType::kF16) {
         const int q = threadIdx.x & 127;
-        named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
+        // The previous tile's epilogue is done reading wt. (The flush above syncs too, but only
+        // when it counts a tile; this barrier keeps wt's protocol here, at one bar.sync a tile.)
+        named_barrier_sync(2 + cw, 128);
         {
           const int sid = p.sorted_ids[tile.m0 + q];
           wt[q] = (sid >= 0 && sid < p.n_slots) ? mx::window_factor(p.x_top[sid / p.top_k]) : 1.f;

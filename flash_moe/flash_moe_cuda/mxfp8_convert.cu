@@ -183,7 +183,7 @@ cudaError_t launch_dequantize(const uint8_t* vals, const uint8_t* scales, int64_
 // Per row: top = its largest scale byte other than 255, raised to at least mx::kTopMin. The row
 // fits the window when top <= mx::kTopMax and every other byte (255 aside) is at least
 // top - mx::kWindow or scales an all-zero block (its 32 values are read to check). One misfit
-// row anywhere sets *misfit.
+// row anywhere sets *misfit (zero before the launch); so does `force`.
 __device__ __forceinline__ bool block_is_zero(const uint8_t* v) {  // 32 e4m3 values, 16-byte aligned
   const uint4 a = reinterpret_cast<const uint4*>(v)[0], b = reinterpret_cast<const uint4*>(v)[1];
   return ((a.x | a.y | a.z | a.w | b.x | b.y | b.z | b.w) & 0x7f7f7f7fu) == 0u;
@@ -205,7 +205,8 @@ __global__ void __launch_bounds__(kScanThreads)
     window_scan_kernel(const uint8_t* __restrict__ w, const uint8_t* __restrict__ w_scales, int64_t w_rows,
                        int64_t w_blocks, const uint8_t* __restrict__ x, const uint8_t* __restrict__ x_scales,
                        int64_t x_rows, int K, uint8_t* __restrict__ w_top, uint8_t* __restrict__ x_top,
-                       uint32_t* __restrict__ misfit) {
+                       uint32_t* __restrict__ misfit, bool force) {
+  if (force && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(misfit, 1u);
   const int S = K / kMxfp8ScaleBlock;
   bool fits = true;
   if ((int64_t)blockIdx.x < w_blocks) {
@@ -310,13 +311,12 @@ cudaError_t mxfp8_scale_window(const uint8_t* w, const uint8_t* w_scales, int64_
                                const uint8_t* x_scales, int64_t x_rows, int64_t K, bool force_misfit,
                                uint8_t* w_top, uint8_t* x_top, uint32_t* misfit, cudaStream_t stream) {
   if (K % 64 != 0 || K <= 0) return cudaErrorInvalidValue;
-  cudaError_t err = cudaMemsetAsync(misfit, force_misfit || K >= mx::kMaxK ? 1 : 0, 4, stream);
-  if (err != cudaSuccess) return err;
+  const bool force = force_misfit || K >= mx::kMaxK;
   const int64_t w_blocks = (w_rows + kScanRowsPerBlock - 1) / kScanRowsPerBlock;
   const int64_t x_blocks = (x_rows + kScanThreads / 32 - 1) / (kScanThreads / 32);
-  if (w_blocks + x_blocks == 0) return cudaSuccess;
+  if (w_blocks + x_blocks == 0) return force ? cudaMemsetAsync(misfit, 1, 1, stream) : cudaSuccess;
   window_scan_kernel<<<(unsigned)(w_blocks + x_blocks), kScanThreads, 0, stream>>>(
-      w, w_scales, w_rows, w_blocks, x, x_scales, x_rows, (int)K, w_top, x_top, misfit);
+      w, w_scales, w_rows, w_blocks, x, x_scales, x_rows, (int)K, w_top, x_top, misfit, force);
   return cudaGetLastError();
 }
 
