@@ -195,12 +195,14 @@ __device__ __forceinline__ bool below_window(uint32_t byte, int top) {
 
 constexpr int kScanThreads = 128;
 
-// Blocks [0, w_blocks): weight rows. In the blocked layout a 128-row group's four scale columns
-// 4j..4j+3 are one 512-byte chunk whose 16 bytes at 16 l hold rows l, l + 32, l + 64, l + 96:
-// so lane l of a warp reads them with one 16-byte load (a warp a whole chunk) and scans those
-// four rows; a block (4 warps) covers 512 rows. Blocks after: token rows, one warp per row,
-// row-major scales.
-constexpr int kScanRowsPerBlock = 4 * kScanThreads;
+// Blocks [0, w_blocks): weight rows, a block per 128-row group. In the blocked layout the
+// group's four scale columns 4j..4j+3 are one 512-byte chunk whose 16 bytes at 16 l hold rows
+// l, l + 32, l + 64, l + 96: so lane l of a warp reads them with one 16-byte load (a warp a
+// whole chunk) and keeps those four rows' top and lowest bytes. The four warps take every
+// fourth chunk (so each row's bytes are read by four warps at once, not one after another)
+// and meet in shared memory; then thread t finishes row t. Blocks after: token rows, one warp
+// per row, row-major scales.
+constexpr int kScanWarps = kScanThreads / 32;
 __global__ void __launch_bounds__(kScanThreads)
     window_scan_kernel(const uint8_t* __restrict__ w, const uint8_t* __restrict__ w_scales, int64_t w_rows,
                        int64_t w_blocks, const uint8_t* __restrict__ x, const uint8_t* __restrict__ x_scales,
@@ -210,17 +212,15 @@ __global__ void __launch_bounds__(kScanThreads)
   const int S = K / kMxfp8ScaleBlock;
   bool fits = true;
   if ((int64_t)blockIdx.x < w_blocks) {
-    const int lane = threadIdx.x & 31;
-    const int64_t group = (int64_t)blockIdx.x * (kScanRowsPerBlock / 128) + threadIdx.x / 32;  // 128-row group
-    const int64_t r0 = group * 128 + lane;  // rows r0 + 32 q, q = 0..3
-    if (group * 128 >= w_rows) return;  // whole warps
+    __shared__ uint8_t part_top[kScanWarps][128], part_low[kScanWarps][128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const int64_t group = blockIdx.x;
     const int S4 = (S + 3) / 4;
     const uint4* chunks = reinterpret_cast<const uint4*>(w_scales + (uint64_t)group * S4 * 512) + lane;
-    auto words = [&](int j) { return chunks[(int64_t)j * 32]; };  // chunk j: 512 bytes = 32 uint4 further
     int top[4] = {0, 0, 0, 0}, low[4] = {255, 255, 255, 255};
 #pragma unroll 4
-    for (int j = 0; j < S4; ++j) {
-      const uint4 v = words(j);
+    for (int j = warp; j < S4; j += kScanWarps) {
+      const uint4 v = chunks[(int64_t)j * 32];  // chunk j: 512 bytes = 32 uint4 further
       const uint32_t wd[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int q = 0; q < 4; ++q)
@@ -232,22 +232,27 @@ __global__ void __launch_bounds__(kScanThreads)
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const int64_t r = r0 + 32 * q;
-      if (r >= w_rows) continue;  // the layout's padding rows
-      const int t = raise_top(top[q]);
-      bool row_fits = t <= mx::kTopMax;
-      if (row_fits && low[q] < t - mx::kWindow)
-        for (int j = 0; j < S4; ++j) {
-          const uint4 v = words(j);
-          const uint32_t wd = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
-          for (int c = 0; c < 4; ++c) {
-            const int s = 4 * j + c;
-            if (s < S && below_window((wd >> (8 * c)) & 255, t) && !block_is_zero(w + r * K + 32 * s)) row_fits = false;
-          }
-        }
-      w_top[r] = (uint8_t)t;
-      fits &= row_fits;
+      part_top[warp][lane + 32 * q] = (uint8_t)top[q];
+      part_low[warp][lane + 32 * q] = (uint8_t)low[q];
     }
+    __syncthreads();
+    const int t = threadIdx.x;  // row t of the group
+    const int64_t r = group * 128 + t;
+    if (r >= w_rows) return;  // the layout's padding rows
+    int row_top = 0, row_low = 255;
+#pragma unroll
+    for (int k = 0; k < kScanWarps; ++k) {
+      row_top = part_top[k][t] > row_top ? part_top[k][t] : row_top;
+      row_low = part_low[k][t] < row_low ? part_low[k][t] : row_low;
+    }
+    const int top_r = raise_top(row_top);
+    fits = top_r <= mx::kTopMax;
+    if (fits && row_low < top_r - mx::kWindow)  // rare: are the blocks below the window all zero?
+      for (int sc = 0; sc < S; ++sc)
+        if (below_window(w_scales[mx::blocked_offset((uint64_t)r, (uint32_t)sc, (uint32_t)S)], top_r) &&
+            !block_is_zero(w + r * K + 32 * sc))
+          fits = false;
+    w_top[r] = (uint8_t)top_r;
   } else {
     const int lane = threadIdx.x & 31;
     const int64_t r = ((int64_t)blockIdx.x - w_blocks) * (kScanThreads / 32) + threadIdx.x / 32;
@@ -312,7 +317,7 @@ cudaError_t mxfp8_scale_window(const uint8_t* w, const uint8_t* w_scales, int64_
                                uint8_t* w_top, uint8_t* x_top, uint32_t* misfit, cudaStream_t stream) {
   if (K % 64 != 0 || K <= 0) return cudaErrorInvalidValue;
   const bool force = force_misfit || K >= mx::kMaxK;
-  const int64_t w_blocks = (w_rows + kScanRowsPerBlock - 1) / kScanRowsPerBlock;
+  const int64_t w_blocks = (w_rows + 127) / 128;
   const int64_t x_blocks = (x_rows + kScanThreads / 32 - 1) / (kScanThreads / 32);
   if (w_blocks + x_blocks == 0) return force ? cudaMemsetAsync(misfit, 1, 1, stream) : cudaSuccess;
   window_scan_kernel<<<(unsigned)(w_blocks + x_blocks), kScanThreads, 0, stream>>>(
