@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <cub/block/block_scan.cuh>
+#include <type_traits>
 
 #include "flash_moe.cuh"
 #include "moe_gemm.cuh"
@@ -443,16 +444,15 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
                 a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    constexpr auto kBf16 = gemm::Weights::kBf16;
-    if (a.bpc == 2) {
-      err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
-      if (err != cudaSuccess) return err;
-      err = a.stages == 4 ? launch_gemms<kBf16, 4, true>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
-                          : launch_gemms<kBf16, 3, true>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
-    } else {
-      err = a.stages == 4 ? launch_gemms<kBf16, 4>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
-                          : launch_gemms<kBf16, 3>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
-    }
+    // pipeline depth x CTA pairs: the four kernel pairs
+    const auto gemms = [&](auto paired) {
+      constexpr auto kBf16 = gemm::Weights::kBf16;
+      constexpr bool kPaired = decltype(paired)::value;
+      return a.stages == 4 ? launch_gemms<kBf16, 4, kPaired>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
+                           : launch_gemms<kBf16, 3, kPaired>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
+    };
+    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
+    if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
     if (err != cudaSuccess) return err;
   }
   return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);
@@ -494,13 +494,10 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
     p2.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * a.K);
-    if (a.bpc == 2) {
-      err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
-      if (err != cudaSuccess) return err;
-      err = launch_mxfp8_gemms<true>(tm_w, tm_h, tm_w2, p1, p2, stream);
-    } else {
-      err = launch_mxfp8_gemms<false>(tm_w, tm_h, tm_w2, p1, p2, stream);
-    }
+    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
+    if (err == cudaSuccess)
+      err = a.bpc == 2 ? launch_mxfp8_gemms<true>(tm_w, tm_h, tm_w2, p1, p2, stream)
+                       : launch_mxfp8_gemms<false>(tm_w, tm_h, tm_w2, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);

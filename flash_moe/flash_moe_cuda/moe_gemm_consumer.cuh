@@ -48,10 +48,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     const int sid = p.sorted_ids[tile.m0 + cw * 64 + (threadIdx.x & 63)];
     const bool idle = tile.flags & kIdle;
     if (idle || !named_barrier_or(2 + cw, 128, sid >= 0 && sid < p.n_slots)) {
-      for (int kb = 0; kb < nk; ++kb, ++it) {
-        mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
-        if (lane == 0) bars.release(it % kStages);
-      }
+      pass_tile(bars, it, nk, lane);
       if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
     }

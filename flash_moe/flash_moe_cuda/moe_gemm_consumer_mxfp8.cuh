@@ -71,10 +71,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
     if (tile.flags & kIdle) {  // a CTA pair's idle CTA: keep the stages in step, nothing else
-      for (int kb = 0; kb < nk; ++kb, ++it) {
-        mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
-        if (lane == 0) bars.release(it % kStages);
-      }
+      pass_tile(bars, it, nk, lane);
       continue;
     }
     const int n0 = n_origin<kKind>(tile);

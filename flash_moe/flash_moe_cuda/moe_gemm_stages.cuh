@@ -81,5 +81,15 @@ __device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const T
   return TileSlots::get(slots.stage(s));
 }
 
+// Consumers with nothing to compute in a tile (all-padding rows, a pair's idle CTA): take and
+// release its nk stages in turn, so the ring stays in step. `it` advances past the tile.
+template <int kStages>
+__device__ __forceinline__ void pass_tile(const Barriers<kStages>& bars, uint32_t& it, int nk, int lane) {
+  for (int kb = 0; kb < nk; ++kb, ++it) {
+    mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
+    if (lane == 0) bars.release(it % kStages);
+  }
+}
+
 }  // namespace gemm
 }  // namespace flash_moe
