@@ -17,6 +17,7 @@
 // dequantized in registers (MXFP8; x and h are then stored K-permuted, see kperm). No float
 // atomics anywhere: bit-identical output run after run.
 #include <cuda.h>
+#include <cstdlib>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -58,7 +59,8 @@ struct MaxOp {
 __global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t* __restrict__ expert_ids,
                                                                   const int32_t* __restrict__ ntpp_ptr, int L, int E,
                                                                   int2* __restrict__ units,
-                                                                  int32_t* __restrict__ num_units) {
+                                                                  int32_t* __restrict__ num_units,
+                                                                  const int32_t* __restrict__ sorted_ids, int n_slots) {
   using Scan = cub::BlockScan<int, kUnitThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int carry[2];  // the last block's run start, units so far
@@ -76,14 +78,26 @@ __global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t*
     Scan(scan_tmp).InclusiveScan(starts ? mb : carry[0], run_start, MaxOp{});
     __syncthreads();
     const bool leads = in && e >= 0 && e < E && ((mb - run_start) & 1) == 0;
-    const bool alone = !(mb + 1 < num_m && expert_ids[mb + 1] == e);
+    const auto same = [&](int b) { return b < num_m && expert_ids[b] == e; };
+    // Carrying tails (sorted_ids given): an expert's last block with at most kTailRows live
+    // rows (moe_align puts the padding after them), after a pair of its blocks, is computed by
+    // that pair's tiles (kUnitCarriesTail) and gets no unit of its own.
+    const auto short_tail = [&](int b) {
+      if (sorted_ids == nullptr || b * gemm::kBM + gemm::kTailRows >= L) return false;
+      const int sid = sorted_ids[b * gemm::kBM + gemm::kTailRows];
+      return !(sid >= 0 && sid < n_slots);
+    };
+    const bool alone = !same(mb + 1);
+    const bool carries = !alone && same(mb + 2) && !same(mb + 3) && short_tail(mb + 2);
+    const bool carried = alone && mb - run_start >= 2 && short_tail(mb);
     int idx, added;
-    Scan(scan_tmp).ExclusiveSum(leads ? (alone ? 1 : 2) : 0, idx, added);
+    Scan(scan_tmp).ExclusiveSum(leads && !carried ? (alone ? 1 : 2) : 0, idx, added);
     idx += carry[1];
-    if (leads && alone) units[idx] = make_int2(mb | gemm::kUnitAlone, -1);
+    if (leads && alone && !carried) units[idx] = make_int2(mb | gemm::kUnitAlone, -1);
     if (leads && !alone) {
-      units[idx] = make_int2(mb, mb + 1);
-      units[idx + 1] = make_int2(mb | gemm::kUnitSecondHalf, mb + 1);
+      const int f = carries ? gemm::kUnitCarriesTail : 0;
+      units[idx] = make_int2(mb | f, mb + 1);
+      units[idx + 1] = make_int2(mb | gemm::kUnitSecondHalf | f, mb + 1);
     }
     __syncthreads();
     if (threadIdx.x == kUnitThreads - 1) carry[0] = run_start, carry[1] += added;
@@ -243,7 +257,8 @@ inline int max_pairs(const void* kern, int smem) {
 // a cluster per SM pair.
 template <class Kernel>
 cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, const CUtensorMap& tmB,
-                              const CUtensorMap& tmC, const GemmParams& p, bool after_previous, bool paired,
+                              const CUtensorMap& tmC, const CUtensorMap& tmT, const GemmParams& p,
+                              bool after_previous, bool paired,
                               cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -251,7 +266,7 @@ cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, con
   if (max_tiles == 0) return cudaSuccess;
   const int64_t slots = paired ? max_pairs(reinterpret_cast<const void*>(kern), smem) : sm_count();
   const int grid = (int)(max_tiles < slots ? max_tiles : slots) * (paired ? 2 : 1);
-  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tmA, tmB, tmC, p);
+  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tmA, tmB, tmC, tmT, p);
 }
 
 // Both GEMMs of one op at one pipeline depth, with or without CTA pairs.
@@ -261,10 +276,23 @@ cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const
                          const GemmParams& p2, cudaStream_t stream) {
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
   cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, tm_w, tm_w,
-                                      tm_h_out, p1, false, kPaired, stream);
+                                      tm_h_out, tm_w, p1, false, kPaired, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm_h, tm_w2, tm_y_out, p2,
-                           true, kPaired, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm_h, tm_w2, tm_y_out, tm_h,
+                           p2, true, kPaired, stream);
+}
+
+// bf16, CTA pairs, 4 stages, tails carried (gemm::kCarriesTail): both GEMMs with the weights as M.
+cudaError_t launch_carry_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_h_tail,
+                               const CUtensorMap& tm_w2, const CUtensorMap& tm_h_out, const CUtensorMap& tm_y_out,
+                               const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+  constexpr auto kBf16 = gemm::Weights::kBf16;
+  const int smem = gemm::SmemPlan<4, true>::kLaunchBytes;
+  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kBf16, Kind::kGateUp, 4, true, true>, smem, tm_w, tm_w,
+                                      tm_h_out, tm_w, p1, false, true, stream);
+  if (err != cudaSuccess) return err;
+  return launch_persistent(gemm::moe_gemm_kernel<kBf16, Kind::kDown, 4, true, true>, smem, tm_h, tm_w2, tm_y_out,
+                           tm_h_tail, p2, true, true, stream);
 }
 
 // The MXFP8 op's GEMMs: two gate/up kernels, general (bf16 operands) and f16 (scale window),
@@ -278,13 +306,13 @@ cudaError_t launch_mxfp8_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h,
   const int smem = gemm::StagePlan<Weights::kMxfp8, kS>::kLaunchBytes;
   const CUtensorMap no_map{};
   cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kGateUp, kS, kPaired>, smem, tm_w,
-                                      tm_w, no_map, p1, false, kPaired, stream);
+                                      tm_w, no_map, no_map, p1, false, kPaired, stream);
   if (err == cudaSuccess)
     err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8Window, Kind::kGateUp, kS, kPaired>, smem, tm_w, tm_w,
-                            no_map, p1, false, kPaired, stream);
+                            no_map, no_map, p1, false, kPaired, stream);
   if (err != cudaSuccess) return err;
   return launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kDown, kS, kPaired>, smem, tm_h, tm_w2, no_map,
-                           p2, true, kPaired, stream);
+                           no_map, p2, true, kPaired, stream);
 }
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
@@ -400,8 +428,9 @@ cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids,
 
 // bpc = 2: the CTA pairs' units (they read only the routing).
 cudaError_t pair_units(const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws, int64_t E, int64_t L,
-                       GemmParams& p1, GemmParams& p2, cudaStream_t stream) {
-  pair_units_kernel<<<1, kUnitThreads, 0, stream>>>(expert_ids, ntpp, (int)L, (int)E, ws.units, ws.num_units);
+                       GemmParams& p1, GemmParams& p2, cudaStream_t stream, const int32_t* carry_sorted_ids = nullptr) {
+  pair_units_kernel<<<1, kUnitThreads, 0, stream>>>(expert_ids, ntpp, (int)L, (int)E, ws.units, ws.num_units,
+                                                    carry_sorted_ids, (int)ws.n_slots);
   p1.units = p2.units = ws.units;
   p1.num_units = p2.num_units = ws.num_units;
   return cudaGetLastError();
@@ -434,9 +463,10 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.E, a.L, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
-    CUtensorMap tm_w, tm_h, tm_w2, tm_h_out, tm_y_out;
+    CUtensorMap tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out;
     if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
         !make_tmap(&tm_h, h_rows(ws.h, a.L, a.I), false) ||
+        !make_tmap(&tm_h_tail, h_rows(ws.h, a.L, a.I), false, gemm::kTailShare) ||
         !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
         !make_tmap(&tm_h_out, out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
         !make_tmap(&tm_y_out, out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows))
@@ -451,8 +481,15 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
       return a.stages == 4 ? launch_gemms<kBf16, 4, kPaired>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
                            : launch_gemms<kBf16, 3, kPaired>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
     };
-    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
-    if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
+    // EXPERIMENT: FLASH_MOE_CARRY=1 (bpc 2, stages 4): both GEMMs with the weights as M, pairs
+    // carrying their expert's short tail.
+    const char* knob = std::getenv("FLASH_MOE_CARRY");
+    const bool carry = knob && knob[0] == '1' && a.bpc == 2 && a.stages == 4;
+    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, carry ? a.sorted_ids : nullptr);
+    if (err == cudaSuccess && carry)
+      err = launch_carry_gemms(tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
+    else if (err == cudaSuccess)
+      err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
     if (err != cudaSuccess) return err;
   }
   return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);

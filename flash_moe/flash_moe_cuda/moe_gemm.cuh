@@ -10,6 +10,8 @@
 //   moe_gemm_producer.cuh        token rows gathered from x (cp.async) or h rows (TMA); weights
 //                                as bf16 boxes (TMA) or e4m3 boxes + blocked scales (TMA + bulk)
 //   moe_gemm_consumer.cuh        bf16: two warpgroups, m64n128k16 wgmma, fp32 accumulators
+//   moe_gemm_consumer_transposed.cuh  bf16, CTA pairs carrying tails: weights as M, tokens as
+//                                N (128 + the tail's 16), stmatrix .trans into the staging
 //   moe_gemm_epilogue.cuh        bf16: SwiGLU (gate/up) or router weight (down), staged in
 //                                shared memory for TMA stores (StagedStore)
 //   moe_gemm_consumer_mxfp8.cuh  MXFP8: weights dequantized in registers, stores from registers
@@ -26,6 +28,7 @@
 #include <type_traits>
 
 #include "moe_gemm_consumer.cuh"
+#include "moe_gemm_consumer_transposed.cuh"
 #include "moe_gemm_consumer_mxfp8.cuh"
 #include "moe_gemm_producer.cuh"
 
@@ -38,16 +41,20 @@ namespace gemm {
 // gate/up kernels are both launched; GemmParams::window_misfit makes one return at once.
 enum class Weights { kBf16, kMxfp8, kMxfp8Window };
 
-template <Weights kW, int kStages>
-using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mxfp8Plan<kStages>>;
+template <Weights kW, int kStages, bool kCarry = false>
+using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages, kCarry>, Mxfp8Plan<kStages>>;
 
 // kPaired: launched in clusters of 2 CTAs (bpc = 2) that walk the same units in step; see Tile's
 // kMulticast / kIdle, TileSlots and Barriers::release for what the pair shares.
-template <Weights kW, Kind kKind, int kStages, bool kPaired = false>
+// kCarry (bf16, CTA pairs): pairs carry their expert's short tail block (kCarriesTail), both
+// GEMMs with the weights as M (consume_bf16_transposed); tmT loads the down GEMM's tail rows.
+template <Weights kW, Kind kKind, int kStages, bool kPaired = false, bool kCarry = false>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                    const __grid_constant__ CUtensorMap tmC, const GemmParams p) {
-  using Plan = StagePlan<kW, kStages>;
+                    const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmT,
+                    const GemmParams p) {
+  static_assert(!kCarry || (kW == Weights::kBf16 && kPaired), "tails are carried by bf16 CTA pairs");
+  using Plan = StagePlan<kW, kStages, kCarry>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
@@ -82,12 +89,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if constexpr (kW == Weights::kBf16)
-      produce_bf16<kKind, kStages>(tmA, tmB, p, sbase, bars, slots, nk);
+      produce_bf16<kKind, kStages, kCarry>(tmA, tmB, tmT, p, sbase, bars, slots, nk);
     else
       produce_mxfp8<kKind, kStages>(tmA, tmB, p, sbase, bars, slots, nk);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    if constexpr (kW == Weights::kBf16)
+    if constexpr (kCarry)
+      consume_bf16_transposed<kKind, kStages>(&tmC, p, sbase, bars, slots, nk);
+    else if constexpr (kW == Weights::kBf16)
       consume_bf16<kKind, kStages>(&tmC, p, sbase, bars, slots, nk);
     else
       consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,

@@ -17,9 +17,17 @@ struct ConsumerThread {
   int w4 = (threadIdx.x / 32) & 3;
   int lane = threadIdx.x & 31;
 };
-__device__ __forceinline__ void zero_fill(float (&acc)[64]) {
+template <int kN>
+__device__ __forceinline__ void zero_fill(float (&acc)[kN]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < kN; ++i) acc[i] = 0.f;
+}
+// The accumulator registers of a narrower wgmma: an m64nN tile's fp32 layout is the first N/2
+// registers of any wider one's (column groups of 8 in order).
+template <int kN, int kM>
+__device__ __forceinline__ float (&leading(float (&acc)[kM]))[kN] {
+  static_assert(kN <= kM, "a narrower view");
+  return *reinterpret_cast<float(*)[kN]>(&acc[0]);
 }
 
 // ---------------------------------------------------------------- consumer
@@ -32,7 +40,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
   using Plan = SmemPlan<kStages>;
   const ConsumerThread me;
   const int cw = me.cw, w4 = me.w4, lane = me.lane;
-  const StagedStore staged(sbase + Plan::kEpiOffset, cw);
+  const StagedStore<2> staged(sbase + Plan::kEpiOffset, cw);
   float acc0[64], acc1[64];
   zero_fill(acc0);
   zero_fill(acc1);

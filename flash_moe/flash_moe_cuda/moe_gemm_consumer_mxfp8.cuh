@@ -49,9 +49,6 @@ __device__ __forceinline__ int mxfp8_tile_row(int cw, int block, int r) {
   return cw * 128 + 64 * block + kperm::pair_column(r);
 }
 
-// The accumulator registers an m64n64 wgmma uses: the first 32 of the m64n128 layout.
-__device__ __forceinline__ float (&first_half(float (&acc)[64]))[32] { return *reinterpret_cast<float(*)[32]>(&acc[0]); }
-
 // kT = RsType::kF16 (gate/up only, every row in the f16 scale window, mx::kWindow): the weights
 // become f16 (cvt + one multiply per pair, no NaN test) against f16 tokens, and the epilogue
 // scales the accumulators back by the rows' and tokens' window factors.
@@ -163,8 +160,8 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const uint32_t f0[4] = {a[0][0][2 * st], a[0][1][2 * st], a[0][0][2 * st + 1], a[0][1][2 * st + 1]};
         const uint32_t f1[4] = {a[1][0][2 * st], a[1][1][2 * st], a[1][0][2 * st + 1], a[1][1][2 * st + 1]};
         if constexpr (decltype(half_tile)::value) {
-          wgmma_rs<kT, 64>(first_half(acc0), f0, db, sc);
-          wgmma_rs<kT, 64>(first_half(acc1), f1, db, sc);
+          wgmma_rs<kT, 64>(leading<32>(acc0), f0, db, sc);
+          wgmma_rs<kT, 64>(leading<32>(acc1), f1, db, sc);
         } else {
           wgmma_rs<kT, 128>(acc0, f0, db, sc);
           wgmma_rs<kT, 128>(acc1, f1, db, sc);

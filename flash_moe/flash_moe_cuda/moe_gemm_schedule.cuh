@@ -69,6 +69,15 @@ struct Tile {
 // count); it loads and keeps its barriers in step with its peer but computes and stores nothing.
 constexpr int kMulticast = 1;
 constexpr int kIdle = 2;
+// Carried tails (launch_carry_gemms). kCarriesTail: a pair tile that also computes 16 rows of
+// its expert's short tail block (the block's m-block index in flags >> kTailShift; CTA r takes
+// rows kTailShare r.. of it) as 16 more tokens on wgmma's N side; the tail block has no tiles
+// of its own. The gate/up GEMM then counts the tail's h rows twice per n-block as often as a
+// block's own (two CTAs x two warpgroups, HandOff).
+constexpr int kCarriesTail = 4;
+constexpr int kTailShift = 8;
+constexpr int kTailShare = 16;
+constexpr int kTailRows = 2 * kTailShare;  // a tail block of at most this many live rows can be carried
 
 // The work of CTA pairs as a list of units in m-block order, ceil(num_n / 2) claims each (so no
 // claim is wasted on a lone block, which needs only half as many): each expert's m-blocks taken
@@ -78,7 +87,8 @@ constexpr int kIdle = 2;
 // their weights in L2.
 constexpr int kUnitAlone = 1 << 30;
 constexpr int kUnitSecondHalf = 1 << 29;
-constexpr int kUnitBlock = kUnitSecondHalf - 1;
+constexpr int kUnitCarriesTail = 1 << 28;  // a pair followed by its expert's short tail block
+constexpr int kUnitBlock = kUnitCarriesTail - 1;
 
 // The order tiles are handed out in, as groups of claims. Single CTAs: the (m-block, n-block)
 // grid that num_tokens_post_padded (read on the device) covers, the n-blocks of an m-block next
@@ -138,7 +148,8 @@ __device__ TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
     }
     const int j = (unit.x & kUnitSecondHalf) ? half + c : c;
     if (j >= num_n) continue;
-    return TilePair(Tile{mb * kBM, j, e, kMulticast}, Tile{unit.y * kBM, j, e, kMulticast});
+    const int f = kMulticast | ((unit.x & kUnitCarriesTail) ? kCarriesTail | ((mb + 2) << kTailShift) : 0);
+    return TilePair(Tile{mb * kBM, j, e, f}, Tile{unit.y * kBM, j, e, f});
   }
 }
 
@@ -221,12 +232,13 @@ struct TileSlots {
 // landed and the wait before the release costs nothing.
 struct HandOff {
   int pending = -1;  // m-block of this warpgroup's previous tile, not yet counted
+  int pending_tail = -1;  // the tail block that tile carried (kCarriesTail), or -1
   // Count `pending`, all 128 threads of the warpgroup. kTmaStores: thread 0 issued the tile's
   // stores as TMA bulk groups; else every thread stored from registers.
   template <bool kTmaStores>
   __device__ void flush(const GemmParams& p, int bar_id) {
     if (pending < 0) return;
-    if constexpr (!kTmaStores) {
+    if (!kTmaStores || pending_tail >= 0) {  // a carried tail is stored from registers
       __threadfence();
       named_barrier_sync(bar_id, 128);
     }
@@ -236,17 +248,25 @@ struct HandOff {
         fence_proxy_async_global();
       }
       red_release_gpu_add(p.h_done + pending, 1);
+      if (pending_tail >= 0) red_release_gpu_add(p.h_done + pending_tail, 1);
     }
-    pending = -1;
+    pending = pending_tail = -1;
   }
   // A warpgroup that stores nothing for a tile (all-padding rows) counts it at once.
   __device__ static void count_empty(const GemmParams& p, const Tile& t) {
-    if ((threadIdx.x & 127) == 0) red_release_gpu_add(p.h_done + t.m0 / kBM, 1);
+    if ((threadIdx.x & 127) == 0) {
+      red_release_gpu_add(p.h_done + t.m0 / kBM, 1);
+      if (t.flags & kCarriesTail) red_release_gpu_add(p.h_done + (t.flags >> kTailShift), 1);
+    }
   }
   // Down producer thread: wait until the tile's h rows are complete.
   __device__ static void wait_ready(const GemmParams& p, const Tile& t) {
     const int* done = p.h_done + t.m0 / kBM;
     while (ld_acquire_gpu(done) < p.h_done_target) __nanosleep(128);
+    if (t.flags & kCarriesTail) {
+      const int* tail = p.h_done + (t.flags >> kTailShift);
+      while (ld_acquire_gpu(tail) < 2 * p.h_done_target) __nanosleep(128);
+    }
     fence_proxy_async_global();
   }
 };

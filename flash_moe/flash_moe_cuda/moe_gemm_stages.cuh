@@ -8,18 +8,25 @@
 namespace flash_moe {
 namespace gemm {
 
-// bf16 path: a stage is the 128-row token tile and two 128-row weight boxes.
-template <int kStages>
+// bf16 path: a stage is the 128-row token tile and two 128-row weight boxes. kCarry (CTA pairs
+// carrying tails, both GEMMs with the weights as M): the token tile has kTailShare more rows,
+// the CTA's share of its expert's tail; each warpgroup stages one 64 x 64 output box at a time
+// (the four stages leave no room for two) and keeps its tile's router weights (down).
+template <int kStages, bool kCarry = false>
 struct SmemPlan {
-  static constexpr int kABytes = kBM * kBK * 2;     // 16 KB bf16 token tile
-  static constexpr int kBBoxBytes = 128 * kBK * 2;  // 16 KB: one 128-row bf16 weight box
+  static constexpr int kTokenRows = kCarry ? kBM + kTailShare : kBM;
+  static constexpr int kABytes = kTokenRows * kBK * 2;  // 16 KB (18 KB) bf16 token tile
+  static constexpr int kBBoxBytes = 128 * kBK * 2;      // 16 KB: one 128-row bf16 weight box
   static constexpr int kStageBytes = kABytes + 2 * kBBoxBytes;
-  static constexpr int kEpiOffset = kStages * kStageBytes;  // a 64 x 128 bf16 output block per consumer
-  static constexpr int kEpiBytes = 2 * 64 * 128 * 2;
-  static constexpr int kBarOffset = kEpiOffset + kEpiBytes;
+  static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
+  static constexpr int kEpiOffset = kStages * kStageBytes;  // per consumer: 64 x 128 bf16 (64 x 64: kCarry)
+  static constexpr int kEpiBytes = kCarry ? 2 * 64 * 64 * 2 : 2 * 64 * 128 * 2;
+  static constexpr int kWtOffset = kEpiOffset + kEpiBytes;  // kCarry: per consumer, kTokenRows floats
+  static constexpr int kBarOffset = kWtOffset + (kCarry ? 2 * kTokenRows * 4 : 0);
   static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
   static constexpr int kBytes = kSlotOffset + TileSlots::bytes(kStages);
   static constexpr int kLaunchBytes = kBytes + 1024;  // slack for the 1024-byte alignment
+  static_assert(kLaunchBytes <= 227 * 1024, "fits an SM's shared memory");
 };
 
 // MXFP8 path: the e4m3 part of a stage holds the two 128-row weight boxes of a k-block (64-byte

@@ -1,0 +1,167 @@
+// The bf16 consumer warpgroups of CTA pairs that carry tails (moe_gemm_kernel<kBf16, ..., kCarry>):
+// both GEMMs with the weights as wgmma's M side and the tokens as N, as the MXFP8 path has them,
+// so a pair tile can take kTailShare more tokens on N (m64n144k16) -- its share of the expert's
+// short tail block (kCarriesTail) -- on the weight bytes it reads anyway. A tail computed on its
+// own (a lone 128-row tile for at most 32 tokens) cost 81-86 % of a full tile.
+#pragma once
+
+#include <type_traits>
+
+#include "moe_gemm_consumer.cuh"
+
+namespace flash_moe {
+namespace gemm {
+
+// Warpgroup cw's two m64 weight blocks in a stage's two 128-row boxes. Gate/up: gate rows
+// 64cw.. of box 0 and up rows 64cw.. of box 1 (h features 64cw..64cw+63 of the n-block). Down:
+// rows 0..63 and 64..127 of box cw (output features 128cw.. of the 256-column n-block).
+template <Kind kKind>
+__device__ __forceinline__ uint32_t weight_block(uint32_t boxes, int cw, int block) {
+  constexpr uint32_t kBoxBytes = 128 * kBK * 2, kBlockBytes = 64 * kBK * 2;
+  return kKind == Kind::kGateUp ? boxes + block * kBoxBytes + cw * kBlockBytes
+                                : boxes + cw * kBoxBytes + block * kBlockBytes;
+}
+
+// Output feature (h column or Y column) of accumulator row r of weight block `block`.
+template <Kind kKind>
+__device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) {
+  return kKind == Kind::kGateUp ? n_origin<kKind>(t) + 64 * cw + r : n_origin<kKind>(t) + 128 * cw + 64 * block + r;
+}
+
+// Per warpgroup and k16 both wgmmas read a 2 KB weight block and the 4 KB token block: as many
+// bytes as consume_bf16's two m64n128k16. Tokens 64..127 all padding: m64n64k16. The epilogue
+// goes through StagedStore<1> (one 64-token x 64-feature box at a time, see SmemPlan<4, true>);
+// the tail's kTailShare tokens are stored from registers.
+template <Kind kKind, int kStages>
+__device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams& p, uint32_t sbase,
+                                        const Barriers<kStages>& bars, const TileSlots& slots, int nk) {
+  using Plan = SmemPlan<kStages, true>;
+  constexpr int kCarryN = kBM + kTailShare;
+  const ConsumerThread me;
+  const int cw = me.cw, w4 = me.w4, lane = me.lane, q = threadIdx.x & 127;
+  const StagedStore<1> staged(sbase + Plan::kEpiOffset, cw);
+  float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kCarryN;  // down: router weights
+  float acc0[kCarryN / 2], acc1[kCarryN / 2];
+  zero_fill(acc0);
+  zero_fill(acc1);
+  HandOff handoff;
+  uint32_t it = 0;
+  // kN: 64, 128 or 144 tokens.
+  auto mainloop = [&](auto n_tokens) {
+    constexpr int kN = decltype(n_tokens)::value;
+    for (int kb = 0; kb < nk; ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(bars.full(s), (it / kStages) & 1);
+      const uint32_t tok = sbase + s * Plan::kStageBytes;
+      const uint32_t w0 = weight_block<kKind>(tok + Plan::kABytes, cw, 0);
+      const uint32_t w1 = weight_block<kKind>(tok + Plan::kABytes, cw, 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const uint64_t dt = make_desc_sw128(tok + kk * 32);
+        const uint64_t d0 = make_desc_sw128(w0 + kk * 32), d1 = make_desc_sw128(w1 + kk * 32);
+        const int sc = (kb > 0 || kk > 0) ? 1 : 0;
+        if constexpr (kN == 64) {
+          wgmma_m64n64k16_bf16(leading<32>(acc0), d0, dt, sc);
+          wgmma_m64n64k16_bf16(leading<32>(acc1), d1, dt, sc);
+        } else if constexpr (kN == 128) {
+          wgmma_m64n128k16_bf16(leading<64>(acc0), d0, dt, sc);
+          wgmma_m64n128k16_bf16(leading<64>(acc1), d1, dt, sc);
+        } else {
+          wgmma_m64n144k16_bf16(acc0, d0, dt, sc);
+          wgmma_m64n144k16_bf16(acc1, d1, dt, sc);
+        }
+      }
+      wgmma_commit();
+      if (kb > 0) {
+        wgmma_wait<1>();
+        if (lane == 0) bars.release((it - 1) % kStages);
+      }
+    }
+    wgmma_wait<0>();
+    if (lane == 0) bars.release((it - 1) % kStages);
+  };
+  const auto live = [&](int row) {
+    const int sid = p.sorted_ids[row];
+    return sid >= 0 && sid < p.n_slots;
+  };
+  for (;;) {
+    const Tile tile = wait_tile(bars, slots, it);
+    if (tile.m0 < 0) break;
+    const bool idle = tile.flags & kIdle;
+    const bool carry = tile.flags & kCarriesTail;
+    const int tail0 = carry ? (tile.flags >> kTailShift) * kBM + kTailShare * (int)slots.rank : 0;  // its first row
+    // lo / hi: tokens 0..63 / 64..127 hold a live row. (Padding follows the live rows, so !lo
+    // means an all-padding tile.) Both GEMMs decide alike, so the h rows a gate/up tile leaves
+    // unwritten are never read. The first barrier also finds every thread past the previous
+    // tile's epilogue, so the down GEMM's router weights can be rewritten; the second
+    // publishes them.
+    bool lo = false, hi = false;
+    if (!idle) {
+      lo = named_barrier_or(2 + cw, 128, live(tile.m0 + (q & 63)));
+      if (kKind == Kind::kDown) {
+        const int sid = p.sorted_ids[tile.m0 + q];
+        wt[q] = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
+        if (carry && q < kTailShare) {
+          const int tsid = p.sorted_ids[tail0 + q];
+          wt[kBM + q] = (tsid >= 0 && tsid < p.n_slots) ? p.topk_weights[tsid] : 0.f;
+        }
+      }
+      hi = named_barrier_or(2 + cw, 128, live(tile.m0 + 64 + (q & 63)));
+    }
+    if (!lo) {
+      pass_tile(bars, it, nk, lane);
+      if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
+      continue;
+    }
+    if (carry)
+      mainloop(std::integral_constant<int, kCarryN>{});
+    else if (hi)
+      mainloop(std::integral_constant<int, kBM>{});
+    else
+      mainloop(std::integral_constant<int, 64>{});
+
+    // Accumulator a = 4j + 2h + e: feature row 16 w4 + lane/4 + 8h, token 8j + 2(lane%4) + e.
+    const auto token = [&](int a) { return 8 * (a >> 2) + 2 * (lane & 3) + (a & 1); };
+    const auto value = [&](int block, int a) {
+      if constexpr (kKind == Kind::kGateUp)
+        return silu_times(acc0[a], acc1[a]);
+      else
+        return (block ? acc1[a] : acc0[a]) * wt[token(a)];
+    };
+    if (kKind == Kind::kGateUp) {
+      handoff.flush<true>(p, 2 + cw);
+      handoff.pending = tile.m0 / kBM;
+      handoff.pending_tail = carry ? tile.flags >> kTailShift : -1;
+    }
+    constexpr int kBlocks = kKind == Kind::kGateUp ? 1 : 2;  // 64-feature blocks this warpgroup stores
+#pragma unroll
+    for (int block = 0; block < kBlocks; ++block)
+      for (int tb = 0; tb < (hi ? 2 : 1); ++tb) {
+        staged.acquire();
+        staged.put_transposed(0, tb, w4, lane, [&](int a) { return value(block, a); });
+        staged.release(tmC, feature<kKind>(tile, cw, block, 0), tile.m0 + 64 * tb);
+      }
+    if (carry) {  // tokens 128..143: rows tail0.. of the tail block, from registers
+#pragma unroll
+      for (int block = 0; block < kBlocks; ++block)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int f = feature<kKind>(tile, cw, block, 16 * w4 + (lane >> 2) + 8 * h);
+          if (f >= p.n_out) continue;
+#pragma unroll
+          for (int j = kBM / 8; j < kCarryN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int a = 4 * j + 2 * h + e;
+              p.out[(int64_t)(tail0 + token(a) - kBM) * p.ldo + f] = __float2bfloat16_rn(value(block, a));
+            }
+        }
+    }
+  }
+  staged.drain();
+  if (kKind == Kind::kGateUp) handoff.flush<true>(p, 2 + cw);
+}
+
+}  // namespace gemm
+}  // namespace flash_moe
