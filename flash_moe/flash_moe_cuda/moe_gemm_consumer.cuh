@@ -40,7 +40,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
   using Plan = SmemPlan<kStages>;
   const ConsumerThread me;
   const int cw = me.cw, w4 = me.w4, lane = me.lane;
-  const StagedStore<2> staged(sbase + Plan::kEpiOffset, cw);
+  const StagedStore staged(sbase + Plan::kEpiOffset, cw);
   float acc0[64], acc1[64];
   zero_fill(acc0);
   zero_fill(acc1);

@@ -29,9 +29,15 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 }
 
 // Per warpgroup and k16 both wgmmas read a 2 KB weight block and the 4 KB token block: as many
-// bytes as consume_bf16's two m64n128k16. Tokens 64..127 all padding: m64n64k16. The epilogue
-// goes through StagedStore<1> (one 64-token x 64-feature box at a time, see SmemPlan<4, true>);
-// the tail's kTailShare tokens are stored from registers.
+// bytes as consume_bf16's two m64n128k16. Tokens 64..127 all padding: m64n64k16.
+//
+// Epilogue: 64-token x 64-feature boxes (put_box_transposed), stored by TMA. Four stages leave
+// room for one 8 KB box per warpgroup (SmemPlan<4, true>::kEpiOffset), so the warpgroup keeps
+// its tile's last stage (`held`) and writes its first two boxes over its own two weight blocks
+// there (no other warpgroup reads them), the third into its box; the down GEMM's fourth waits
+// for the first's store to read it. The held stage is released once the stores have read it,
+// after the next tile's first wgmmas are issued: the producer is then three stages ahead.
+// The tail's kTailShare tokens are stored from registers.
 template <Kind kKind, int kStages>
 __device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams& p, uint32_t sbase,
                                         const Barriers<kStages>& bars, const TileSlots& slots, int nk) {
@@ -39,13 +45,20 @@ __device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams
   constexpr int kCarryN = kBM + kTailShare;
   const ConsumerThread me;
   const int cw = me.cw, w4 = me.w4, lane = me.lane, q = threadIdx.x & 127;
-  const StagedStore<1> staged(sbase + Plan::kEpiOffset, cw);
   float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kCarryN;  // down: router weights
   float acc0[kCarryN / 2], acc1[kCarryN / 2];
   zero_fill(acc0);
   zero_fill(acc1);
   HandOff handoff;
   uint32_t it = 0;
+  int held = -1;  // the stage kept for this warpgroup's output boxes, or -1
+  const auto release_held = [&] {
+    if (held < 0) return;
+    if (q == 0) bulk_wait_read_all();  // also frees the warpgroup's box at kEpiOffset
+    named_barrier_sync(4 + cw, 128);
+    if (lane == 0) bars.release(held);
+    held = -1;
+  };
   // kN: 64, 128 or 144 tokens.
   auto mainloop = [&](auto n_tokens) {
     constexpr int kN = decltype(n_tokens)::value;
@@ -73,17 +86,14 @@ __device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams
         }
       }
       wgmma_commit();
+      if (kb == 0) release_held();
       if (kb > 0) {
         wgmma_wait<1>();
         if (lane == 0) bars.release((it - 1) % kStages);
       }
     }
     wgmma_wait<0>();
-    if (lane == 0) bars.release((it - 1) % kStages);
-  };
-  const auto live = [&](int row) {
-    const int sid = p.sorted_ids[row];
-    return sid >= 0 && sid < p.n_slots;
+    held = (it - 1) % kStages;
   };
   for (;;) {
     const Tile tile = wait_tile(bars, slots, it);
@@ -91,25 +101,26 @@ __device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams
     const bool idle = tile.flags & kIdle;
     const bool carry = tile.flags & kCarriesTail;
     const int tail0 = carry ? (tile.flags >> kTailShift) * kBM + kTailShare * (int)slots.rank : 0;  // its first row
-    // lo / hi: tokens 0..63 / 64..127 hold a live row. (Padding follows the live rows, so !lo
-    // means an all-padding tile.) Both GEMMs decide alike, so the h rows a gate/up tile leaves
-    // unwritten are never read. The first barrier also finds every thread past the previous
-    // tile's epilogue, so the down GEMM's router weights can be rewritten; the second
-    // publishes them.
+    // lo / hi: tokens 0..63 / 64..127 hold a live row (thread q looks at token q). Padding
+    // follows the live rows, so !lo means an all-padding tile. Both GEMMs decide alike, so the
+    // h rows a gate/up tile leaves unwritten are never read. Every global load is issued before
+    // the first barrier; the down GEMM's router weights go to wt only after the mainloop, so
+    // their latency hides behind it.
     bool lo = false, hi = false;
+    float wq = 0.f, wtail = 0.f;
     if (!idle) {
-      lo = named_barrier_or(2 + cw, 128, live(tile.m0 + (q & 63)));
+      const int sid = p.sorted_ids[tile.m0 + q];
+      const int tsid = carry && q < kTailShare ? p.sorted_ids[tail0 + q] : -1;
+      const bool live_q = sid >= 0 && sid < p.n_slots;
+      lo = named_barrier_or(2 + cw, 128, q < 64 && live_q);
+      hi = named_barrier_or(2 + cw, 128, q >= 64 && live_q);
       if (kKind == Kind::kDown) {
-        const int sid = p.sorted_ids[tile.m0 + q];
-        wt[q] = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
-        if (carry && q < kTailShare) {
-          const int tsid = p.sorted_ids[tail0 + q];
-          wt[kBM + q] = (tsid >= 0 && tsid < p.n_slots) ? p.topk_weights[tsid] : 0.f;
-        }
+        if (live_q) wq = p.topk_weights[sid];
+        if (tsid >= 0 && tsid < p.n_slots) wtail = p.topk_weights[tsid];
       }
-      hi = named_barrier_or(2 + cw, 128, live(tile.m0 + 64 + (q & 63)));
     }
     if (!lo) {
+      release_held();
       pass_tile(bars, it, nk, lane);
       if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
@@ -121,6 +132,11 @@ __device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams
     else
       mainloop(std::integral_constant<int, 64>{});
 
+    if (kKind == Kind::kDown) {  // every thread is past the previous tile's epilogue (the lo barrier)
+      wt[q] = wq;
+      if (q < kTailShare) wt[kBM + q] = wtail;
+      named_barrier_sync(4 + cw, 128);
+    }
     // Accumulator a = 4j + 2h + e: feature row 16 w4 + lane/4 + 8h, token 8j + 2(lane%4) + e.
     const auto token = [&](int a) { return 8 * (a >> 2) + 2 * (lane & 3) + (a & 1); };
     const auto value = [&](int block, int a) {
@@ -134,13 +150,34 @@ __device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams
       handoff.pending = tile.m0 / kBM;
       handoff.pending_tail = carry ? tile.flags >> kTailShift : -1;
     }
+    // Box i = block * nt + tb of the tile: feature block `block`, tokens 64 tb.. (nt = 1 or 2
+    // token halves).
     constexpr int kBlocks = kKind == Kind::kGateUp ? 1 : 2;  // 64-feature blocks this warpgroup stores
+    const int nt = hi ? 2 : 1;
+    const uint32_t held_boxes = sbase + held * Plan::kStageBytes + Plan::kABytes;
 #pragma unroll
     for (int block = 0; block < kBlocks; ++block)
-      for (int tb = 0; tb < (hi ? 2 : 1); ++tb) {
-        staged.acquire();
-        staged.put_transposed(0, tb, w4, lane, [&](int a) { return value(block, a); });
-        staged.release(tmC, feature<kKind>(tile, cw, block, 0), tile.m0 + 64 * tb);
+#pragma unroll
+      for (int tb = 0; tb < 2; ++tb) {
+        if (tb >= nt) continue;
+        const int i = block * nt + tb;
+        uint32_t box;
+        if (i < 2) {
+          box = weight_block<kKind>(held_boxes, cw, i);
+        } else if (i == 2) {
+          box = sbase + Plan::kEpiOffset + cw * (Plan::kEpiBytes / 2);
+        } else {  // i == 3: once the first box's store has read it
+          if (q == 0) bulk_wait_read<2>();
+          named_barrier_sync(4 + cw, 128);
+          box = weight_block<kKind>(held_boxes, cw, 0);
+        }
+        put_box_transposed(box, tb, w4, lane, [&](int a) { return value(block, a); });
+        fence_proxy_async_shared();
+        named_barrier_sync(4 + cw, 128);
+        if (q == 0) {
+          tma_store_2d(tmC, box, feature<kKind>(tile, cw, block, 0), tile.m0 + 64 * tb);
+          bulk_commit_group();
+        }
       }
     if (carry) {  // tokens 128..143: rows tail0.. of the tail block, from registers
 #pragma unroll
@@ -159,7 +196,8 @@ __device__ void consume_bf16_transposed(const CUtensorMap* tmC, const GemmParams
         }
     }
   }
-  staged.drain();
+  release_held();
+  if (q == 0) bulk_wait_all();
   if (kKind == Kind::kGateUp) handoff.flush<true>(p, 2 + cw);
 }
 
