@@ -17,7 +17,6 @@
 // dequantized in registers (MXFP8; x and h are then stored K-permuted, see kperm). No float
 // atomics anywhere: bit-identical output run after run.
 #include <cuda.h>
-#include <cstdlib>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -270,29 +269,16 @@ cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, con
 }
 
 // Both GEMMs of one op at one pipeline depth, with or without CTA pairs.
-template <gemm::Weights kW, int kStages, bool kPaired = false>
-cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
-                         const CUtensorMap& tm_h_out, const CUtensorMap& tm_y_out, const GemmParams& p1,
-                         const GemmParams& p2, cudaStream_t stream) {
+template <gemm::Weights kW, int kStages, bool kPaired>
+cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_h_tail,
+                         const CUtensorMap& tm_w2, const CUtensorMap& tm_h_out, const CUtensorMap& tm_y_out,
+                         const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
   cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, tm_w, tm_w,
                                       tm_h_out, tm_w, p1, false, kPaired, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm_h, tm_w2, tm_y_out, tm_h,
-                           p2, true, kPaired, stream);
-}
-
-// bf16, CTA pairs, 4 stages, tails carried (gemm::kCarriesTail): both GEMMs with the weights as M.
-cudaError_t launch_carry_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_h_tail,
-                               const CUtensorMap& tm_w2, const CUtensorMap& tm_h_out, const CUtensorMap& tm_y_out,
-                               const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
-  constexpr auto kBf16 = gemm::Weights::kBf16;
-  const int smem = gemm::SmemPlan<4, true>::kLaunchBytes;
-  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kBf16, Kind::kGateUp, 4, true, true>, smem, tm_w, tm_w,
-                                      tm_h_out, tm_w, p1, false, true, stream);
-  if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kBf16, Kind::kDown, 4, true, true>, smem, tm_h, tm_w2, tm_y_out,
-                           tm_h_tail, p2, true, true, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm_h, tm_w2, tm_y_out,
+                           tm_h_tail, p2, true, kPaired, stream);
 }
 
 // The MXFP8 op's GEMMs: two gate/up kernels, general (bf16 operands) and f16 (scale window),
@@ -427,8 +413,10 @@ cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids,
 }
 
 // bpc = 2: the CTA pairs' units (they read only the routing).
+// carry_sorted_ids (the bf16 op, whose consumers carry tails): list carrying pairs, see
+// pair_units_kernel; nullptr (MXFP8): no carrying.
 cudaError_t pair_units(const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws, int64_t E, int64_t L,
-                       GemmParams& p1, GemmParams& p2, cudaStream_t stream, const int32_t* carry_sorted_ids = nullptr) {
+                       GemmParams& p1, GemmParams& p2, cudaStream_t stream, const int32_t* carry_sorted_ids) {
   pair_units_kernel<<<1, kUnitThreads, 0, stream>>>(expert_ids, ntpp, (int)L, (int)E, ws.units, ws.num_units,
                                                     carry_sorted_ids, (int)ws.n_slots);
   p1.units = p2.units = ws.units;
@@ -478,18 +466,14 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     const auto gemms = [&](auto paired) {
       constexpr auto kBf16 = gemm::Weights::kBf16;
       constexpr bool kPaired = decltype(paired)::value;
-      return a.stages == 4 ? launch_gemms<kBf16, 4, kPaired>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream)
-                           : launch_gemms<kBf16, 3, kPaired>(tm_w, tm_h, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
+      return a.stages == 4 ? launch_gemms<kBf16, 4, kPaired>(tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out, p1, p2,
+                                                             stream)
+                           : launch_gemms<kBf16, 3, kPaired>(tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out, p1, p2,
+                                                             stream);
     };
-    // EXPERIMENT: FLASH_MOE_CARRY=1 (bpc 2, stages 4): both GEMMs with the weights as M, pairs
-    // carrying their expert's short tail.
-    const char* knob = std::getenv("FLASH_MOE_CARRY");
-    const bool carry = knob && knob[0] == '1' && a.bpc == 2 && a.stages == 4;
-    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, carry ? a.sorted_ids : nullptr);
-    if (err == cudaSuccess && carry)
-      err = launch_carry_gemms(tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out, p1, p2, stream);
-    else if (err == cudaSuccess)
-      err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
+    // CTA pairs carry their experts' short tails (pair_units_kernel reads sorted_ids for that).
+    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, a.sorted_ids);
+    if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
     if (err != cudaSuccess) return err;
   }
   return topk_sum(ws, a.out, a.M, a.K, a.top_k, a.split, stream);
@@ -531,7 +515,7 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
     p2.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * a.K);
-    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream);
+    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, nullptr);
     if (err == cudaSuccess)
       err = a.bpc == 2 ? launch_mxfp8_gemms<true>(tm_w, tm_h, tm_w2, p1, p2, stream)
                        : launch_mxfp8_gemms<false>(tm_w, tm_h, tm_w2, p1, p2, stream);

@@ -9,16 +9,17 @@
 //                                the stage ring's mbarriers
 //   moe_gemm_producer.cuh        token rows gathered from x (cp.async) or h rows (TMA); weights
 //                                as bf16 boxes (TMA) or e4m3 boxes + blocked scales (TMA + bulk)
-//   moe_gemm_consumer.cuh        bf16: two warpgroups, m64n128k16 wgmma, fp32 accumulators
-//   moe_gemm_consumer_transposed.cuh  bf16, CTA pairs carrying tails: weights as M, tokens as
-//                                N (128 + the tail's 16), stmatrix .trans into the staging
-//   moe_gemm_epilogue.cuh        bf16: SwiGLU (gate/up) or router weight (down), staged in
-//                                shared memory for TMA stores (StagedStore)
+//   moe_gemm_consumer.cuh        bf16: two warpgroups, weights as M (two m64 blocks each),
+//                                tokens as N (128, + 16 of a carried tail), fp32 accumulators
+//   moe_gemm_epilogue.cuh        bf16: SwiGLU, and the output boxes staged in shared memory
+//                                for TMA stores (stmatrix .trans)
 //   moe_gemm_consumer_mxfp8.cuh  MXFP8: weights dequantized in registers, stores from registers
 //
-// bf16 (moe_gemm_kernel<Weights::kBf16>): tokens are the M side, 128 x 256 x 64 tiles (128 gate + 128 up
-// columns, or 256 output columns). MXFP8 (Weights::kMxfp8): the weights are the M side,
-// dequantized in registers into wgmma's register operand; tokens are the 128-column N side.
+// Both formats put the weights on wgmma's M side and the tokens on N: tiles of 128 tokens x
+// 256 weight rows (128 gate + 128 up rows, or 256 output features) x 64. bf16
+// (moe_gemm_kernel<Weights::kBf16>): both operands from shared memory, and a CTA pair's tile
+// may carry 16 more tokens of its expert's tail. MXFP8 (Weights::kMxfp8): the e4m3 weights are
+// dequantized in registers into wgmma's register operand.
 // One producer warpgroup and two consumer warpgroups share a kStages-deep ring of shared-memory
 // stages guarded by mbarriers.
 #pragma once
@@ -28,7 +29,6 @@
 #include <type_traits>
 
 #include "moe_gemm_consumer.cuh"
-#include "moe_gemm_consumer_transposed.cuh"
 #include "moe_gemm_consumer_mxfp8.cuh"
 #include "moe_gemm_producer.cuh"
 
@@ -41,20 +41,19 @@ namespace gemm {
 // gate/up kernels are both launched; GemmParams::window_misfit makes one return at once.
 enum class Weights { kBf16, kMxfp8, kMxfp8Window };
 
-template <Weights kW, int kStages, bool kCarry = false>
-using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages, kCarry>, Mxfp8Plan<kStages>>;
+template <Weights kW, int kStages>
+using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mxfp8Plan<kStages>>;
 
 // kPaired: launched in clusters of 2 CTAs (bpc = 2) that walk the same units in step; see Tile's
 // kMulticast / kIdle, TileSlots and Barriers::release for what the pair shares.
-// kCarry (bf16, CTA pairs): pairs carry their expert's short tail block (kCarriesTail), both
-// GEMMs with the weights as M (consume_bf16_transposed); tmT loads the down GEMM's tail rows.
-template <Weights kW, Kind kKind, int kStages, bool kPaired = false, bool kCarry = false>
+// tmT: the bf16 down GEMM's map of kTailShare-row boxes of h, for the rows of a tail that a pair
+// carries (kCarriesTail); the other kernels do not read it.
+template <Weights kW, Kind kKind, int kStages, bool kPaired = false>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                     const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmT,
                     const GemmParams p) {
-  static_assert(!kCarry || (kW == Weights::kBf16 && kPaired), "tails are carried by bf16 CTA pairs");
-  using Plan = StagePlan<kW, kStages, kCarry>;
+  using Plan = StagePlan<kW, kStages>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t sbase = smem_u32(smem);
@@ -89,14 +88,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if constexpr (kW == Weights::kBf16)
-      produce_bf16<kKind, kStages, kCarry>(tmA, tmB, tmT, p, sbase, bars, slots, nk);
+      produce_bf16<kKind, kStages>(tmA, tmB, tmT, p, sbase, bars, slots, nk);
     else
       produce_mxfp8<kKind, kStages>(tmA, tmB, p, sbase, bars, slots, nk);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    if constexpr (kCarry)
-      consume_bf16_transposed<kKind, kStages>(&tmC, p, sbase, bars, slots, nk);
-    else if constexpr (kW == Weights::kBf16)
+    if constexpr (kW == Weights::kBf16)
       consume_bf16<kKind, kStages>(&tmC, p, sbase, bars, slots, nk);
     else
       consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,

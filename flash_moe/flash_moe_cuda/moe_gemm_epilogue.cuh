@@ -1,5 +1,5 @@
-// The bf16 path's epilogues: SwiGLU (gate/up GEMM) and the router weight (down GEMM), each
-// consumer warpgroup's 64 x 128 block staged in shared memory and stored by TMA (StagedStore).
+// The bf16 path's epilogue pieces: SwiGLU's arithmetic and the 64 x 64 output boxes the
+// consumers stage in shared memory for TMA stores (put_box_transposed).
 #pragma once
 
 #include "moe_gemm_schedule.cuh"
@@ -8,41 +8,6 @@ namespace flash_moe {
 namespace gemm {
 
 // ---------------------------------------------------------------- epilogues
-// Staged epilogue store (bf16 path): a consumer warpgroup's 64 x 128 bf16 output block goes
-// registers -> shared memory (two 64 x 64 boxes of 128-byte rows in the 128-byte swizzle: a
-// warp's 4-byte stores to 8 rows hit 32 distinct banks) -> global by one TMA store per box. The
-// warpgroup returns to its next tile's wgmmas while the copy drains; TMA clips rows and columns
-// outside the output.
-struct StagedStore {
-  static constexpr int kBoxBytes = 64 * 128;
-  static constexpr int kBoxes = 2;
-  uint32_t buf;  // this warpgroup's 16 KB
-  int bar_id;    // named barrier of this warpgroup
-  __device__ StagedStore(uint32_t sbase_epi, int cw) : buf(sbase_epi + cw * 16384), bar_id(4 + cw) {}
-  // Before writing: the previous block's TMA stores have finished reading buf.
-  __device__ void acquire() const {
-    if ((threadIdx.x & 127) == 0) bulk_wait_read_all();
-    named_barrier_sync(bar_id, 128);
-  }
-  // Row r in [0, 64), even column c in [0, 128): two bf16.
-  __device__ void put(int r, int c, uint32_t two_bf16) const {
-    const int cc = c & 63;
-    st_shared_u32(buf + (c >> 6) * kBoxBytes + r * 128 + ((((cc >> 3) ^ (r & 7)) << 4) | ((cc & 7) * 2)), two_bf16);
-  }
-  __device__ void release(const CUtensorMap* tm, int col0, int row0) const {
-    fence_proxy_async_shared();
-    named_barrier_sync(bar_id, 128);
-    if ((threadIdx.x & 127) == 0) {
-#pragma unroll
-      for (int b = 0; b < kBoxes; ++b) tma_store_2d(tm, buf + b * kBoxBytes, col0 + 64 * b, row0);
-      bulk_commit_group();
-    }
-  }
-  __device__ void drain() const {
-    if ((threadIdx.x & 127) == 0) bulk_wait_all();
-  }
-};
-
 __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -53,7 +18,7 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
 // made it measurably longer (-4 to -8 % for the whole op at the issue shapes, device run 6).
 __device__ __forceinline__ float silu_times(float g, float u) { return __fdividef(g, 1.f + __expf(-g)) * u; }
 
-// Transposed tiles (weights as M, tokens as N; moe_gemm_consumer_transposed.cuh): thread
+// The consumers' tiles (weights as M, tokens as N; moe_gemm_consumer.cuh): thread
 // (w4, lane) holds features 16 w4 + lane/4 + 8h of a 64-feature block for tokens
 // 8j + 2(lane%4) + e, in accumulator a = 4j + 2h + e. put_box_transposed writes tokens
 // 64 tb .. 64 tb + 63 of the block, value(a) each, as a 64 x 64 bf16 box at `box` (1024-byte
@@ -76,46 +41,6 @@ __device__ __forceinline__ void put_box_transposed(uint32_t box, int tb, int w4,
       }
     const int t = 8 * (jj + mj) + mi;
     stmatrix_x4_trans(box + t * 128 + (((2 * w4 + mh) ^ (t & 7)) << 4), v[0][0], v[0][1], v[1][0], v[1][1]);
-  }
-}
-
-// Thread (w4, lane) holds rows 16 w4 + lane/4 + {0, 8} of the warpgroup's 64 and columns
-// 8j + 2(lane%4) + {0, 1} of each m64n128 accumulator.
-__device__ __forceinline__ void stage_swiglu(const StagedStore& st, const CUtensorMap* tm, const Tile& tile, int cw,
-                                             int w4, int lane, const float (&gate)[64], const float (&up)[64]) {
-  st.acquire();
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float g0 = gate[4 * j + 2 * h], g1 = gate[4 * j + 2 * h + 1];
-      const float u0 = up[4 * j + 2 * h], u1 = up[4 * j + 2 * h + 1];
-      st.put(16 * w4 + (lane >> 2) + 8 * h, 8 * j + 2 * (lane & 3),
-             bf16x2_bits(silu_times(g0, u0), silu_times(g1, u1)));
-    }
-  st.release(tm, n_origin<Kind::kGateUp>(tile), tile.m0 + 64 * cw);
-}
-
-__device__ __forceinline__ void stage_weighted(const StagedStore& st, const CUtensorMap* tm, const GemmParams& p,
-                                               const Tile& tile, int cw, int w4, int lane, const float (&lo)[64],
-                                               const float (&hi)[64]) {
-  float wt[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int sid = p.sorted_ids[tile.m0 + 64 * cw + 16 * w4 + (lane >> 2) + 8 * h];
-    wt[h] = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
-  }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float(&acc)[64] = half ? hi : lo;
-    st.acquire();
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        st.put(16 * w4 + (lane >> 2) + 8 * h, 8 * j + 2 * (lane & 3),
-               bf16x2_bits(acc[4 * j + 2 * h] * wt[h], acc[4 * j + 2 * h + 1] * wt[h]));
-    st.release(tm, n_origin<Kind::kDown>(tile) + 128 * half, tile.m0 + 64 * cw);
   }
 }
 

@@ -14,7 +14,7 @@ namespace gemm {
 // wgmma reads; padding rows are zero-filled (src-size 0). The arrive on the stage's full
 // barrier fires asynchronously when the thread's copies have landed (CUTLASS's SM90 cp.async
 // mainloop does the same), so the gathering threads never wait for their own loads.
-template <int kGatherThreads, bool kCarry = false>
+template <int kGatherThreads>
 struct GatherA {
   static constexpr int kRowStep = kGatherThreads / 8;
   static constexpr int kRows = kBM / kRowStep;  // rows per thread
@@ -23,9 +23,9 @@ struct GatherA {
   // the k-block offset: two integer adds per copy, no select.
   const uint8_t* src[kRows];
   uint32_t okmask;
-  // kCarry (kCarriesTail tiles): the thread's chunk of row r0 of this CTA's share of the tail
-  // block (its rows kTailShare rank + r0), copied to token-tile row 128 + r0.
-  static_assert(!kCarry || kRowStep == kTailShare, "one tail row per gathering thread");
+  // kCarriesTail tiles: the thread's chunk of row r0 of this CTA's share of the tail block (its
+  // rows kTailShare rank + r0), copied to token-tile row 128 + r0.
+  static_assert(kRowStep == kTailShare, "one tail row per gathering thread");
   const uint8_t* tail_src = nullptr;
   bool tail_on = false, tail_ok = false;
   int c, r0;
@@ -37,13 +37,11 @@ struct GatherA {
     swz = (uint32_t)((c ^ (r0 & 7)) << 4);  // rows r0 + j*kRowStep share r0's swizzle phase
   }
   __device__ void begin_tile(const GemmParams& p, const Tile& tile, uint32_t rank) {
-    if constexpr (kCarry) {
-      tail_on = tile.flags & kCarriesTail;
-      if (tail_on) {
-        const int sid = p.sorted_ids[(tile.flags >> kTailShift) * kBM + kTailShare * (int)rank + r0];
-        tail_ok = sid >= 0 && sid < p.n_slots;
-        tail_src = reinterpret_cast<const uint8_t*>(p.x + (tail_ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
-      }
+    tail_on = tile.flags & kCarriesTail;
+    if (tail_on) {
+      const int sid = p.sorted_ids[(tile.flags >> kTailShift) * kBM + kTailShare * (int)rank + r0];
+      tail_ok = sid >= 0 && sid < p.n_slots;
+      tail_src = reinterpret_cast<const uint8_t*>(p.x + (tail_ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
     }
     okmask = 0;
     const bool idle = tile.flags & kIdle;  // zero-fills: its consumers read nothing
@@ -63,9 +61,8 @@ struct GatherA {
       const uint32_t dst = a_smem + (uint32_t)(r0 + kRowStep * j) * 128u + swz;
       cp_async_16(dst, src[j] + koff, ((live >> j) & 1u) ? 16u : 0u);
     }
-    if constexpr (kCarry)
-      if (tail_on)
-        cp_async_16(a_smem + (uint32_t)(kBM + r0) * 128u + swz, tail_src + koff,
+    if (tail_on)
+      cp_async_16(a_smem + (uint32_t)(kBM + r0) * 128u + swz, tail_src + koff,
                     tail_ok && kb * kBK + c * 8 < p.K ? 16u : 0u);
     cp_async_arrive_noinc(full_bar);
   }
@@ -133,13 +130,13 @@ struct E4m3Weights {
 // m0 = -1. A stage starts with the 128 token rows; the gate/up GEMM's 128 producer threads
 // gather them, and thread 0 issues the rest (`load_stage(tile, kb, stage, full_bar)`: the
 // weights, and the down GEMM's h rows).
-template <Kind kKind, int kStages, int kStageBytes, class LoadStage, bool kCarry = false>
+template <Kind kKind, int kStages, int kStageBytes, class LoadStage>
 __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
                               int nk, LoadStage load_stage) {
   constexpr int kProducers = kKind == Kind::kGateUp ? 128 : 1;
   if (threadIdx.x >= kProducers) return;
   const TileOrder order(p);
-  GatherA<128, kCarry> gather;
+  GatherA<128> gather;
   uint32_t it = 0;
   for (;;) {
     const Tile tile = slots.next(p, order, kProducers);
@@ -169,18 +166,18 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
   }
 }
 
-// kCarry: a kCarriesTail tile's token tile has kTailShare more rows, the CTA's share of the
-// tail block (the gate/up gather adds them; the down GEMM loads them from h through tmT).
-template <Kind kKind, int kStages, bool kCarry = false>
+// A kCarriesTail tile's token tile has kTailShare more rows, the CTA's share of the tail block
+// (the gate/up gather adds them; the down GEMM loads them from h through tmT).
+template <Kind kKind, int kStages>
 __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmT,
                              const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
                              int nk) {
-  using Plan = SmemPlan<kStages, kCarry>;
+  using Plan = SmemPlan<kStages>;
   constexpr uint32_t kRowBytes = kBK * 2;
   auto load = [&](const Tile& tile, int kb, uint32_t a_s, uint32_t full) {
     const int n0 = n_origin<kKind>(tile);
     const uint32_t b_s = a_s + Plan::kABytes;
-    const bool tail = kCarry && (tile.flags & kCarriesTail);
+    const bool tail = tile.flags & kCarriesTail;
     uint32_t tx = 2 * Plan::kBBoxBytes;
     if (kKind == Kind::kDown) tx += (kBM + (tail ? kTailShare : 0)) * kRowBytes;
     mbar_arrive_expect_tx(full, tx);
@@ -199,7 +196,7 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
       tma_load_3d(b_s + Plan::kBBoxBytes, &tmB, kb * kBK, n0 + p.b_second, tile.e, full);
     }
   };
-  produce_tiles<kKind, kStages, Plan::kStageBytes, decltype(load), kCarry>(p, sbase, bars, slots, nk, load);
+  produce_tiles<kKind, kStages, Plan::kStageBytes>(p, sbase, bars, slots, nk, load);
 }
 
 template <Kind kKind, int kStages>

@@ -8,21 +8,22 @@
 namespace flash_moe {
 namespace gemm {
 
-// bf16 path: a stage is the 128-row token tile and two 128-row weight boxes. kCarry (CTA pairs
-// carrying tails, both GEMMs with the weights as M): the token tile has kTailShare more rows,
-// the CTA's share of its expert's tail; each warpgroup stages one 64 x 64 output box at a time
-// (the four stages leave no room for two) and keeps its tile's router weights (down).
-template <int kStages, bool kCarry = false>
+// bf16 path: a stage is the token tile -- 128 rows and kTailShare more, the CTA's share of its
+// expert's short tail when a pair carries it (kCarriesTail) -- and two 128-row weight boxes.
+// With four stages there is room for one 64 x 64 output box per consumer warpgroup (the
+// consumers stage their other boxes in the tile's last stage, see consume_bf16) and the down
+// tile's router weights.
+template <int kStages>
 struct SmemPlan {
-  static constexpr int kTokenRows = kCarry ? kBM + kTailShare : kBM;
-  static constexpr int kABytes = kTokenRows * kBK * 2;  // 16 KB (18 KB) bf16 token tile
+  static constexpr int kTokenRows = kBM + kTailShare;
+  static constexpr int kABytes = kTokenRows * kBK * 2;  // 18 KB bf16 token tile
   static constexpr int kBBoxBytes = 128 * kBK * 2;      // 16 KB: one 128-row bf16 weight box
   static constexpr int kStageBytes = kABytes + 2 * kBBoxBytes;
   static_assert(kStageBytes % 1024 == 0, "stages keep the 1024-byte swizzle alignment");
-  static constexpr int kEpiOffset = kStages * kStageBytes;  // per consumer: 64 x 128 bf16 (64 x 64: kCarry)
-  static constexpr int kEpiBytes = kCarry ? 2 * 64 * 64 * 2 : 2 * 64 * 128 * 2;
-  static constexpr int kWtOffset = kEpiOffset + kEpiBytes;  // kCarry: per consumer, kTokenRows floats
-  static constexpr int kBarOffset = kWtOffset + (kCarry ? 2 * kTokenRows * 4 : 0);
+  static constexpr int kEpiOffset = kStages * kStageBytes;  // per consumer: one 64 x 64 bf16 box
+  static constexpr int kEpiBytes = 2 * 64 * 64 * 2;
+  static constexpr int kWtOffset = kEpiOffset + kEpiBytes;  // per consumer: kTokenRows floats
+  static constexpr int kBarOffset = kWtOffset + 2 * kTokenRows * 4;
   static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
   static constexpr int kBytes = kSlotOffset + TileSlots::bytes(kStages);
   static constexpr int kLaunchBytes = kBytes + 1024;  // slack for the 1024-byte alignment

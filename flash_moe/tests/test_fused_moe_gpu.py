@@ -126,8 +126,8 @@ def test_fused_bit_identical_repeats(kernel):
         assert torch.equal(_run(kernel, x, w, w2, ids, wt), first)
 
 
-# CTA pairs (bpc = 2) compute every output element with the same instructions in the same order
-# as single CTAs, so the outputs must be bit-identical. The shapes cover pairs and lone blocks
+# CTA pairs (bpc = 2) compute every output element with the same k order as single CTAs (a
+# carried tail's tokens only widen the wgmma's N), so the outputs must be bit-identical. The shapes cover pairs and lone blocks
 # (odd and even block counts per expert), odd n-block counts in either GEMM (I = 384, 640:
 # 3 and 5 gate/up n-blocks; K = 640: 3 down n-blocks; an idle CTA in the lone block's last
 # claim; a three-block run per expert with odd n-block counts in both GEMMs), one expert
@@ -155,7 +155,7 @@ def test_pairs_bit_identical_to_single(kernel, M, K, I, E, top_k, drop, one, sta
     assert torch.equal(_run(kernel, x, w, w2, ids, wt, stages=stages, bpc=2), paired)
 
 
-# CTA pairs at 4 stages carry an expert's short tail block (at most 32 live rows after a pair of
+# CTA pairs carry an expert's short tail block (at most 32 live rows after a pair of
 # its blocks) on the pair's own tiles, weights as wgmma's M side. Expert counts here put every
 # tail case side by side: tails of 1, 16, 17 and 32 rows after one pair or two (carried), 33
 # rows (not carried), a tail after a lone full block (not carried), an even block count ending

@@ -75,15 +75,14 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
 def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                   mxfp8: bool = False) -> int:
     """The `bpc` of `fused_moe_bf16` / `fused_moe_mxfp8` that measured fastest on the H200 for a
-    shape (flash_moe/NOTES.md, v6): 2 (CTA pairs sharing weight loads) for the bf16 op when the
-    experts average at least two BLOCK_M-slot blocks; else 1. The output bits do not depend on
-    `bpc`, only the time does.
+    shape (flash_moe/NOTES.md): 2 (CTA pairs sharing weight loads and carrying short expert
+    tails) for the bf16 op when the experts average at least two BLOCK_M-slot blocks; else 1.
+    The output bits do not depend on `bpc`, only the time does.
 
-    Measured on the H200 (op alone, seven runs on different machines), bpc=2 against bpc=1,
-    bf16: -5.5 to -7.5 % at (8192, 7168, 2048, 256, 8); -4.4 to +1.7 % (median -2.2 %) at
-    (8192, 4096, 1536, 128, 8); -0.2 to -2.7 % at the two dim-2048 shapes; +3 % at
-    (1024, 2048, 768, 128, 8), one block per expert. MXFP8: -6 to +9 % at shapes 3-4 and
-    +1 to +6 % elsewhere, so never.
+    Measured on the H200 (op alone, one run, session 10), bpc=2 against bpc=1, bf16: -17 to
+    -20 % at (8192, 7168, 2048, 256, 8); -5 to -7 % at (8192, 4096, 1536, 128, 8); -1.5 % at
+    (8192, 2048, 768, 64, 8); +3.5 % at (1024, 2048, 768, 128, 8), one block per expert.
+    MXFP8 (v6, seven runs): -6 to +9 % at shapes 3-4 and +1 to +6 % elsewhere, so never.
     """
     if mxfp8 or num_tokens * top_k < 2 * BLOCK_M * num_experts:
         return 1
@@ -149,7 +148,9 @@ def fused_moe_bf16(
             block_m=128, block_n=128, warp_n=128, stages in {3, 4}, bpc in {1, 2}, cpc=1.
             bpc=2 runs both GEMMs as clusters of two CTAs: two m-blocks of one expert share
             each weight load (TMA multicast), an expert's odd last block splits its n-blocks
-            over the pair. Same output bits as bpc=1. Needs no change to `moe_align`.
+            over the pair, or, when it holds at most 32 live slots, rides on the pair's
+            tiles as 16 more tokens per CTA. Same output bits as bpc=1. Needs no change to
+            `moe_align`.
         split: True -> the op overwrites `out` with the result (every row written, rows of
             tokens with no live slot get 0); False -> the op ADDS the result into `out`
             (the caller pre-zeroes it or passes e.g. a shared-expert output).
