@@ -155,24 +155,26 @@ def test_pairs_bit_identical_to_single(kernel, M, K, I, E, top_k, drop, one, sta
     assert torch.equal(_run(kernel, x, w, w2, ids, wt, stages=stages, bpc=2), paired)
 
 
-# CTA pairs carry an expert's short tail block (at most 32 live rows after a pair of
-# its blocks) on the pair's own tiles, weights as wgmma's M side. Expert counts here put every
-# tail case side by side: tails of 1, 16, 17 and 32 rows after one pair or two (carried), 33
-# rows (not carried), a tail after a lone full block (not carried), an even block count ending
-# in a short block (a pair, not carried), an exact multiple of 128 (no tail), an empty expert.
+# CTA pairs carry an expert's short tail block (at most 32 live rows after a pair of its
+# blocks) on the pair's own tiles, weights as wgmma's M side. Expert counts here put every tail
+# case side by side: tails of 1, 16, 17 and 32 rows after one pair, 5 rows after two pairs
+# (carried); 33 rows (not carried), a tail after a lone full block (not carried), an even block
+# count ending in a short block (a pair, not carried), an exact multiple of 128 (no tail), an
+# empty expert. Both pipeline depths.
 TAIL_COUNTS = [256 + 1, 256 + 16, 256 + 17, 256 + 32, 256 + 33, 512 + 5, 128 + 7, 384 + 3, 384, 0]
 
 
+@pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("K,I", [(640, 384), (2048, 768), (7168, 2048)])
-def test_carried_tails_bit_identical_to_single(kernel, reference, K, I):
+def test_carried_tails_bit_identical_to_single(kernel, reference, K, I, stages):
     E = len(TAIL_COUNTS)
     g = torch.Generator(device="cuda").manual_seed(K + I)
     ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(TAIL_COUNTS)]).cuda()
     ids = ids[torch.randperm(ids.numel(), generator=g, device="cuda")][:, None].contiguous()
     M = ids.shape[0]
     x, w, w2, _, wt = _inputs(M, K, I, E, 1, seed=K + I + 1)
-    single = _run(kernel, x, w, w2, ids, wt, stages=4, bpc=1)
-    paired = _run(kernel, x, w, w2, ids, wt, stages=4, bpc=2)
+    single = _run(kernel, x, w, w2, ids, wt, stages=stages, bpc=1)
+    paired = _run(kernel, x, w, w2, ids, wt, stages=stages, bpc=2)
     assert torch.isfinite(paired).all()
     assert torch.equal(paired, single)
     truth = reference.moe_fp32(x, w, w2, ids, wt)
