@@ -126,7 +126,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     if (tile.m0 < 0) break;
     const bool idle = tile.flags & kIdle;
     const bool carry = tile.flags & kCarriesTail;
-    const int tail0 = carry ? (tile.flags >> kTailShift) * kBM + kTailShare * (int)slots.rank : 0;  // its first row
+    const int tail0 = carry ? tail_block(tile.flags) * kBM + kTailShare * (int)slots.rank : 0;  // its first row
     // lo / hi: tokens 0..63 / 64..127 hold a live row (thread q looks at token q). Padding
     // follows the live rows, so !lo means an all-padding tile. Both GEMMs decide alike, so the
     // h rows a gate/up tile leaves unwritten are never read. Every global load is issued before
@@ -174,7 +174,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     if (kKind == Kind::kGateUp) {
       handoff.flush<true>(p, 2 + cw);
       handoff.pending = tile.m0 / kBM;
-      handoff.pending_tail = carry ? tile.flags >> kTailShift : -1;
+      handoff.pending_tail = carry ? tail_block(tile.flags) : -1;
     }
     // Box i = block * nt + tb of the tile: feature block `block`, tokens 64 tb.. (nt = 1 or 2
     // token halves).

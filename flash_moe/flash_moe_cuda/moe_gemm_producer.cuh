@@ -39,7 +39,7 @@ struct GatherA {
   __device__ void begin_tile(const GemmParams& p, const Tile& tile, uint32_t rank) {
     tail_on = tile.flags & kCarriesTail;
     if (tail_on) {
-      const int sid = p.sorted_ids[(tile.flags >> kTailShift) * kBM + kTailShare * (int)rank + r0];
+      const int sid = p.sorted_ids[tail_block(tile.flags) * kBM + kTailShare * (int)rank + r0];
       tail_ok = sid >= 0 && sid < p.n_slots;
       tail_src = reinterpret_cast<const uint8_t*>(p.x + (tail_ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
     }
@@ -185,7 +185,7 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
       tma_load_2d(a_s, &tmA, kb * kBK, tile.m0, full);
       if (tail)
         tma_load_2d(a_s + kBM * kRowBytes, &tmT, kb * kBK,
-                    (tile.flags >> kTailShift) * kBM + kTailShare * (int)slots.rank, full);
+                    tail_block(tile.flags) * kBM + kTailShare * (int)slots.rank, full);
     }
     if (tile.flags & kMulticast) {
       // CTA r of the pair loads box r for both: each weight byte leaves L2 once per pair.

@@ -69,15 +69,17 @@ struct Tile {
 // count); it loads and keeps its barriers in step with its peer but computes and stores nothing.
 constexpr int kMulticast = 1;
 constexpr int kIdle = 2;
-// Carried tails (launch_carry_gemms). kCarriesTail: a pair tile that also computes 16 rows of
-// its expert's short tail block (the block's m-block index in flags >> kTailShift; CTA r takes
-// rows kTailShare r.. of it) as 16 more tokens on wgmma's N side; the tail block has no tiles
-// of its own. The gate/up GEMM then counts the tail's h rows twice per n-block as often as a
-// block's own (two CTAs x two warpgroups, HandOff).
+// Carried tails (the bf16 op's CTA pairs). kCarriesTail: a pair tile that also computes 16 rows
+// of its expert's short tail block (the block's m-block index in the bits from kTailShift up,
+// tail_block(); CTA r takes rows kTailShare r.. of it) as 16 more tokens on wgmma's N side; the
+// tail block has no tiles of its own. The gate/up GEMM then counts the tail's h rows twice per
+// n-block as often as a block's own (two CTAs x two warpgroups, HandOff).
 constexpr int kCarriesTail = 4;
 constexpr int kTailShift = 8;
 constexpr int kTailShare = 16;
 constexpr int kTailRows = 2 * kTailShare;  // a tail block of at most this many live rows can be carried
+// The m-block index read back unsigned: L < 2^31 keeps it below 2^24, so it fits 32 - 8 bits.
+__device__ __forceinline__ int tail_block(int flags) { return (int)((uint32_t)flags >> kTailShift); }
 
 // The work of CTA pairs as a list of units in m-block order, ceil(num_n / 2) claims each (so no
 // claim is wasted on a lone block, which needs only half as many): each expert's m-blocks taken
@@ -148,7 +150,7 @@ __device__ TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
     }
     const int j = (unit.x & kUnitSecondHalf) ? half + c : c;
     if (j >= num_n) continue;
-    const int f = kMulticast | ((unit.x & kUnitCarriesTail) ? kCarriesTail | ((mb + 2) << kTailShift) : 0);
+    const int f = kMulticast | ((unit.x & kUnitCarriesTail) ? kCarriesTail | (int)((uint32_t)(mb + 2) << kTailShift) : 0);
     return TilePair(Tile{mb * kBM, j, e, f}, Tile{unit.y * kBM, j, e, f});
   }
 }
@@ -256,7 +258,7 @@ struct HandOff {
   __device__ static void count_empty(const GemmParams& p, const Tile& t) {
     if ((threadIdx.x & 127) == 0) {
       red_release_gpu_add(p.h_done + t.m0 / kBM, 1);
-      if (t.flags & kCarriesTail) red_release_gpu_add(p.h_done + (t.flags >> kTailShift), 1);
+      if (t.flags & kCarriesTail) red_release_gpu_add(p.h_done + tail_block(t.flags), 1);
     }
   }
   // Down producer thread: wait until the tile's h rows are complete.
@@ -264,7 +266,7 @@ struct HandOff {
     const int* done = p.h_done + t.m0 / kBM;
     while (ld_acquire_gpu(done) < p.h_done_target) __nanosleep(128);
     if (t.flags & kCarriesTail) {
-      const int* tail = p.h_done + (t.flags >> kTailShift);
+      const int* tail = p.h_done + tail_block(t.flags);
       while (ld_acquire_gpu(tail) < 2 * p.h_done_target) __nanosleep(128);
     }
     fence_proxy_async_global();
