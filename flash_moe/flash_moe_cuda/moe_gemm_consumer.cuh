@@ -136,13 +136,13 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     float wq = 0.f, wtail = 0.f;
     if (!idle) {
       const int sid = p.sorted_ids[tile.m0 + q];
-      const int tsid = carry && q < kTailShare ? p.sorted_ids[tail0 + q] : -1;
-      const bool live_q = sid >= 0 && sid < p.n_slots;
+      const bool live_q = live_slot(p, sid);
       lo = named_barrier_or(2 + cw, 128, q < 64 && live_q);
       hi = named_barrier_or(2 + cw, 128, q >= 64 && live_q);
       if (kKind == Kind::kDown) {
+        const int tsid = carry && q < kTailShare ? p.sorted_ids[tail0 + q] : -1;
         if (live_q) wq = p.topk_weights[sid];
-        if (tsid >= 0 && tsid < p.n_slots) wtail = p.topk_weights[tsid];
+        if (live_slot(p, tsid)) wtail = p.topk_weights[tsid];
       }
     }
     if (!lo) {

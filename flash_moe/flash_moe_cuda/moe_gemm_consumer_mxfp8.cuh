@@ -77,8 +77,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // the tensor work). The down GEMM makes the same choice for the same block, so the h rows
     // 64..127 of such a block (written from stale accumulators) are never read, and it stores
     // only the first 64 rows of Y.
-    const int sid64 = p.sorted_ids[tile.m0 + 64];
-    const bool half = !(sid64 >= 0 && sid64 < p.n_slots);
+    const bool half = !live_slot(p, p.sorted_ids[tile.m0 + 64]);
     // per (block, half): row in the 256-row e4m3 tile, its box, validity, scale location
     // A thread's e4m3 chunk of block 1 sits a fixed distance after block 0's (the other box,
     // or 64 rows further in the same box, same swizzle phase): one offset per half.
@@ -209,7 +208,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         named_barrier_sync(2 + cw, 128);
         {
           const int sid = p.sorted_ids[tile.m0 + q];
-          wt[q] = (sid >= 0 && sid < p.n_slots) ? mx::window_factor(p.x_top[sid / p.top_k]) : 1.f;
+          wt[q] = live_slot(p, sid) ? mx::window_factor(p.x_top[sid / p.top_k]) : 1.f;
         }
 #pragma unroll
         for (int b = 0; b < 2; ++b)
@@ -240,7 +239,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
       {
         const int sid = p.sorted_ids[tile.m0 + q];
-        wt[q] = (sid >= 0 && sid < p.n_slots) ? p.topk_weights[sid] : 0.f;
+        wt[q] = live_slot(p, sid) ? p.topk_weights[sid] : 0.f;
       }
       named_barrier_sync(2 + cw, 128);
 #pragma unroll

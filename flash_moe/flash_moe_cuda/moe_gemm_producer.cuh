@@ -22,12 +22,13 @@ struct GatherA {
   // first row instead (valid memory, never read: its copies zero-fill), so issue() only adds
   // the k-block offset: two integer adds per copy, no select.
   const uint8_t* src[kRows];
+  // Bit j: row j is live. kCarriesTail tiles: bit kRows, the thread's chunk of row r0 of this
+  // CTA's share of the tail block (its rows kTailShare rank + r0), copied to token-tile row
+  // 128 + r0 from tail_src.
   uint32_t okmask;
-  // kCarriesTail tiles: the thread's chunk of row r0 of this CTA's share of the tail block (its
-  // rows kTailShare rank + r0), copied to token-tile row 128 + r0.
   static_assert(kRowStep == kTailShare, "one tail row per gathering thread");
   const uint8_t* tail_src = nullptr;
-  bool tail_on = false, tail_ok = false;
+  bool tail_on = false;
   int c, r0;
   uint32_t swz;
   __device__ GatherA() {
@@ -36,21 +37,25 @@ struct GatherA {
     r0 = t >> 3;
     swz = (uint32_t)((c ^ (r0 & 7)) << 4);  // rows r0 + j*kRowStep share r0's swizzle phase
   }
+  __device__ const uint8_t* chunk_src(const GemmParams& p, int sid, bool ok) const {
+    return reinterpret_cast<const uint8_t*>(p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
+  }
   __device__ void begin_tile(const GemmParams& p, const Tile& tile, uint32_t rank) {
+    okmask = 0;
     tail_on = tile.flags & kCarriesTail;
     if (tail_on) {
       const int sid = p.sorted_ids[tail_block(tile.flags) * kBM + kTailShare * (int)rank + r0];
-      tail_ok = sid >= 0 && sid < p.n_slots;
-      tail_src = reinterpret_cast<const uint8_t*>(p.x + (tail_ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
+      const bool ok = live_slot(p, sid);
+      okmask = (ok ? 1u : 0u) << kRows;
+      tail_src = chunk_src(p, sid, ok);
     }
-    okmask = 0;
     const bool idle = tile.flags & kIdle;  // zero-fills: its consumers read nothing
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
       const int sid = p.sorted_ids[tile.m0 + r0 + kRowStep * j];
-      const bool ok = !idle && sid >= 0 && sid < p.n_slots;
+      const bool ok = !idle && live_slot(p, sid);
       okmask |= (ok ? 1u : 0u) << j;
-      src[j] = reinterpret_cast<const uint8_t*>(p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
+      src[j] = chunk_src(p, sid, ok);
     }
   }
   __device__ void issue(const GemmParams& p, int kb, uint32_t a_smem, uint32_t full_bar) const {
@@ -62,8 +67,7 @@ struct GatherA {
       cp_async_16(dst, src[j] + koff, ((live >> j) & 1u) ? 16u : 0u);
     }
     if (tail_on)
-      cp_async_16(a_smem + (uint32_t)(kBM + r0) * 128u + swz, tail_src + koff,
-                    tail_ok && kb * kBK + c * 8 < p.K ? 16u : 0u);
+      cp_async_16(a_smem + (uint32_t)(kBM + r0) * 128u + swz, tail_src + koff, ((live >> kRows) & 1u) ? 16u : 0u);
     cp_async_arrive_noinc(full_bar);
   }
 };

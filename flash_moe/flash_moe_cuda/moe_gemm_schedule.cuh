@@ -58,6 +58,10 @@ struct GemmParams {
   const int32_t* num_units;
 };
 
+// A sorted id that names a routing slot; anything else (the padding sentinel n_slots, or a
+// corrupted value) is padding: no token read, zero router weight.
+__device__ __forceinline__ bool live_slot(const GemmParams& p, int sid) { return sid >= 0 && sid < p.n_slots; }
+
 // ---------------------------------------------------------------- scheduler
 struct Tile {
   int m0, nb, e;  // m0 < 0: the end of the schedule
@@ -263,12 +267,11 @@ struct HandOff {
   }
   // Down producer thread: wait until the tile's h rows are complete.
   __device__ static void wait_ready(const GemmParams& p, const Tile& t) {
-    const int* done = p.h_done + t.m0 / kBM;
-    while (ld_acquire_gpu(done) < p.h_done_target) __nanosleep(128);
-    if (t.flags & kCarriesTail) {
-      const int* tail = p.h_done + tail_block(t.flags);
-      while (ld_acquire_gpu(tail) < 2 * p.h_done_target) __nanosleep(128);
-    }
+    const auto wait_for = [](const int* count, int target) {
+      while (ld_acquire_gpu(count) < target) __nanosleep(128);
+    };
+    wait_for(p.h_done + t.m0 / kBM, p.h_done_target);
+    if (t.flags & kCarriesTail) wait_for(p.h_done + tail_block(t.flags), 2 * p.h_done_target);
     fence_proxy_async_global();
   }
 };
