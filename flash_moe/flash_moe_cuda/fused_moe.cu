@@ -50,7 +50,8 @@ __global__ void inverse_kernel(const int32_t* __restrict__ sorted_ids, const int
 // One block: the units of gemm::claim_pair in m-block order. Within each run of m-blocks of one
 // valid expert, the blocks at even offsets from the run's start lead: a pair (two units) when
 // the next block is of the same expert, else a lone block (one unit). Blocks of invalid experts
-// are in no unit (the GEMMs skip them, as without pairs).
+// are in no unit (the GEMMs skip them, as without pairs). A pair's units carry the rows of its
+// two CTAs' parts (gemm::unit_rows).
 constexpr int kUnitThreads = 1024;
 struct MaxOp {
   __device__ int operator()(int a, int b) const { return a > b ? a : b; }
@@ -78,25 +79,44 @@ __global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t*
     __syncthreads();
     const bool leads = in && e >= 0 && e < E && ((mb - run_start) & 1) == 0;
     const auto same = [&](int b) { return b < num_m && expert_ids[b] == e; };
-    // Carrying tails (sorted_ids given): an expert's last block with at most kTailRows live
-    // rows (moe_align puts the padding after them), after a pair of its blocks, is computed by
-    // that pair's tiles (kUnitCarriesTail) and gets no unit of its own.
+    const auto live_rows = [&](int b) {
+      int n = 0;
+#pragma unroll 16
+      for (int r = 0; r < gemm::kBM; ++r) {
+        const int sid = sorted_ids[b * gemm::kBM + r];
+        n += sid >= 0 && sid < n_slots ? 1 : 0;
+      }
+      return n;
+    };
+    // Fitting (sorted_ids given): an expert's last block with at most kTailRows live rows
+    // (moe_align puts the padding after them), after a pair of its blocks, is computed by that
+    // pair's tiles and gets no unit of its own; and a pair's live rows are split evenly between
+    // its two CTAs (parts of at most kMaxRows rows, multiples of 8). Without: each CTA one block.
     const auto short_tail = [&](int b) {
-      if (sorted_ids == nullptr || b * gemm::kBM + gemm::kTailRows >= L) return false;
       const int sid = sorted_ids[b * gemm::kBM + gemm::kTailRows];
       return !(sid >= 0 && sid < n_slots);
     };
+    const bool fit = sorted_ids != nullptr;
     const bool alone = !same(mb + 1);
-    const bool carries = !alone && same(mb + 2) && !same(mb + 3) && short_tail(mb + 2);
-    const bool carried = alone && mb - run_start >= 2 && short_tail(mb);
+    const bool carries = fit && leads && !alone && same(mb + 2) && !same(mb + 3) && short_tail(mb + 2);
+    const bool carried = fit && leads && alone && mb - run_start >= 2 && short_tail(mb);
     int idx, added;
     Scan(scan_tmp).ExclusiveSum(leads && !carried ? (alone ? 1 : 2) : 0, idx, added);
     idx += carry[1];
-    if (leads && alone && !carried) units[idx] = make_int2(mb | gemm::kUnitAlone, -1);
+    if (leads && alone && !carried) units[idx] = make_int2(mb | gemm::kUnitAlone, 0);
     if (leads && !alone) {
-      const int f = carries ? gemm::kUnitCarriesTail : 0;
-      units[idx] = make_int2(mb | f, mb + 1);
-      units[idx + 1] = make_int2(mb | gemm::kUnitSecondHalf | f, mb + 1);
+      int rows = gemm::unit_rows(gemm::kBM, gemm::kBM);
+      if (fit) {
+        // The rows of block mb are live (it is not the expert's last); the parts stay inside
+        // the pair's blocks whatever the counts (user-made routing buffers included).
+        int n = gemm::kBM + live_rows(mb + 1) + (carries ? live_rows(mb + 2) : 0);
+        const int most = carries ? 2 * gemm::kMaxRows : 2 * gemm::kBM;
+        n = n < most ? n : most;
+        const int rows0 = ((n + 1) / 2 + 7) & ~7;
+        rows = gemm::unit_rows(rows0, (n - rows0 + 7) & ~7);
+      }
+      units[idx] = make_int2(mb, rows);
+      units[idx + 1] = make_int2(mb | gemm::kUnitSecondHalf, rows);
     }
     __syncthreads();
     if (threadIdx.x == kUnitThreads - 1) carry[0] = run_start, carry[1] += added;
@@ -256,29 +276,35 @@ inline int max_pairs(const void* kern, int smem) {
 // a cluster per SM pair.
 template <class Kernel>
 cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, const CUtensorMap& tmB,
-                              const CUtensorMap& tmC, const CUtensorMap& tmT, const GemmParams& p,
-                              bool after_previous, bool paired,
-                              cudaStream_t stream) {
+                              const CUtensorMap& tmC, const CUtensorMap& tmT, const CUtensorMap& tmS,
+                              const GemmParams& p, bool after_previous, bool paired, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
   if (max_tiles == 0) return cudaSuccess;
   const int64_t slots = paired ? max_pairs(reinterpret_cast<const void*>(kern), smem) : sm_count();
   const int grid = (int)(max_tiles < slots ? max_tiles : slots) * (paired ? 2 : 1);
-  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tmA, tmB, tmC, tmT, p);
+  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tmA, tmB, tmC, tmT, tmS,
+                p);
 }
 
-// Both GEMMs of one op at one pipeline depth, with or without CTA pairs.
+// The bf16 op's tensor maps. h_tail: h in (kMaxRows - kBM)-row boxes, the down GEMM's token rows
+// past kBM; *_out: the TMA stores' 64 x 64 boxes; *_out_rows: kStoreRows-row boxes, for output
+// boxes with fewer live tokens.
+struct Bf16Maps {
+  CUtensorMap w, h, h_tail, w2, h_out, h_out_rows, y_out, y_out_rows;
+};
+
+// Both GEMMs of one op at one pipeline depth, with or without CTA pairs. The gate/up GEMM reads
+// neither tmA nor tmT (tm.w stands in).
 template <gemm::Weights kW, int kStages, bool kPaired>
-cudaError_t launch_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_h_tail,
-                         const CUtensorMap& tm_w2, const CUtensorMap& tm_h_out, const CUtensorMap& tm_y_out,
-                         const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+cudaError_t launch_gemms(const Bf16Maps& tm, const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
-  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, tm_w, tm_w,
-                                      tm_h_out, tm_w, p1, false, kPaired, stream);
+  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, tm.w, tm.w,
+                                      tm.h_out, tm.w, tm.h_out_rows, p1, false, kPaired, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm_h, tm_w2, tm_y_out,
-                           tm_h_tail, p2, true, kPaired, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm.h, tm.w2, tm.y_out,
+                           tm.h_tail, tm.y_out_rows, p2, true, kPaired, stream);
 }
 
 // The MXFP8 op's GEMMs: two gate/up kernels, general (bf16 operands) and f16 (scale window),
@@ -292,13 +318,13 @@ cudaError_t launch_mxfp8_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h,
   const int smem = gemm::StagePlan<Weights::kMxfp8, kS>::kLaunchBytes;
   const CUtensorMap no_map{};
   cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kGateUp, kS, kPaired>, smem, tm_w,
-                                      tm_w, no_map, no_map, p1, false, kPaired, stream);
+                                      tm_w, no_map, no_map, no_map, p1, false, kPaired, stream);
   if (err == cudaSuccess)
     err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8Window, Kind::kGateUp, kS, kPaired>, smem, tm_w, tm_w,
-                            no_map, no_map, p1, false, kPaired, stream);
+                            no_map, no_map, no_map, p1, false, kPaired, stream);
   if (err != cudaSuccess) return err;
   return launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kDown, kS, kPaired>, smem, tm_h, tm_w2, no_map,
-                           no_map, p2, true, kPaired, stream);
+                           no_map, no_map, p2, true, kPaired, stream);
 }
 
 size_t align256(size_t v) { return (v + 255) / 256 * 256; }
@@ -413,12 +439,12 @@ cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids,
 }
 
 // bpc = 2: the CTA pairs' units (they read only the routing).
-// carry_sorted_ids (the bf16 op, whose consumers carry tails): list carrying pairs, see
-// pair_units_kernel; nullptr (MXFP8): no carrying.
+// fit_sorted_ids (the bf16 op, whose consumers fit wgmma's N to the rows): split each pair's
+// rows evenly and carry short tails, see pair_units_kernel; nullptr (MXFP8): a block per CTA.
 cudaError_t pair_units(const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws, int64_t E, int64_t L,
-                       GemmParams& p1, GemmParams& p2, cudaStream_t stream, const int32_t* carry_sorted_ids) {
+                       GemmParams& p1, GemmParams& p2, cudaStream_t stream, const int32_t* fit_sorted_ids) {
   pair_units_kernel<<<1, kUnitThreads, 0, stream>>>(expert_ids, ntpp, (int)L, (int)E, ws.units, ws.num_units,
-                                                    carry_sorted_ids, (int)ws.n_slots);
+                                                    fit_sorted_ids, (int)ws.n_slots);
   p1.units = p2.units = ws.units;
   p1.num_units = p2.num_units = ws.num_units;
   return cudaGetLastError();
@@ -451,13 +477,16 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, ws, a.E, a.L, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
-    CUtensorMap tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out;
-    if (!make_tmap(&tm_w, gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
-        !make_tmap(&tm_h, h_rows(ws.h, a.L, a.I), false) ||
-        !make_tmap(&tm_h_tail, h_rows(ws.h, a.L, a.I), false, gemm::kTailShare) ||
-        !make_tmap(&tm_w2, down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
-        !make_tmap(&tm_h_out, out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
-        !make_tmap(&tm_y_out, out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows))
+    Bf16Maps tm;
+    const uint32_t kTailBox = gemm::kMaxRows - gemm::kBM, kRowsBox = gemm::kStoreRows;
+    if (!make_tmap(&tm.w, gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
+        !make_tmap(&tm.h, h_rows(ws.h, a.L, a.I), false) ||
+        !make_tmap(&tm.h_tail, h_rows(ws.h, a.L, a.I), false, kTailBox) ||
+        !make_tmap(&tm.w2, down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
+        !make_tmap(&tm.h_out, out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
+        !make_tmap(&tm.h_out_rows, out_rows(ws.h, a.L, a.I), false, kRowsBox) ||
+        !make_tmap(&tm.y_out, out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows) ||
+        !make_tmap(&tm.y_out_rows, out_rows(ws.Y, a.L, a.K), false, kRowsBox))
       return cudaErrorInvalidValue;
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
@@ -466,12 +495,11 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     const auto gemms = [&](auto paired) {
       constexpr auto kBf16 = gemm::Weights::kBf16;
       constexpr bool kPaired = decltype(paired)::value;
-      return a.stages == 4 ? launch_gemms<kBf16, 4, kPaired>(tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out, p1, p2,
-                                                             stream)
-                           : launch_gemms<kBf16, 3, kPaired>(tm_w, tm_h, tm_h_tail, tm_w2, tm_h_out, tm_y_out, p1, p2,
-                                                             stream);
+      return a.stages == 4 ? launch_gemms<kBf16, 4, kPaired>(tm, p1, p2, stream)
+                           : launch_gemms<kBf16, 3, kPaired>(tm, p1, p2, stream);
     };
-    // CTA pairs carry their experts' short tails (pair_units_kernel reads sorted_ids for that).
+    // CTA pairs split their experts' rows evenly and carry short tails (pair_units_kernel reads
+    // sorted_ids for that).
     if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, a.sorted_ids);
     if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
     if (err != cudaSuccess) return err;

@@ -10,15 +10,15 @@
 //   moe_gemm_producer.cuh        token rows gathered from x (cp.async) or h rows (TMA); weights
 //                                as bf16 boxes (TMA) or e4m3 boxes + blocked scales (TMA + bulk)
 //   moe_gemm_consumer.cuh        bf16: two warpgroups, weights as M (two m64 blocks each),
-//                                tokens as N (128, + 16 of a carried tail), fp32 accumulators
+//                                tokens as N (the tile's live rows, up to 144), fp32 accumulators
 //   moe_gemm_epilogue.cuh        bf16: SwiGLU, and the output boxes staged in shared memory
 //                                for TMA stores (stmatrix .trans)
 //   moe_gemm_consumer_mxfp8.cuh  MXFP8: weights dequantized in registers, stores from registers
 //
 // Both formats put the weights on wgmma's M side and the tokens on N: tiles of 128 tokens x
 // 256 weight rows (128 gate + 128 up rows, or 256 output features) x 64. bf16
-// (moe_gemm_kernel<Weights::kBf16>): both operands from shared memory, and a CTA pair's tile
-// may carry 16 more tokens of its expert's tail. MXFP8 (Weights::kMxfp8): the e4m3 weights are
+// (moe_gemm_kernel<Weights::kBf16>): both operands from shared memory, wgmma's N fitted to a
+// tile's live tokens (up to 144 for a CTA pair's part of an expert's rows). MXFP8 (Weights::kMxfp8): the e4m3 weights are
 // dequantized in registers into wgmma's register operand.
 // One producer warpgroup and two consumer warpgroups share a kStages-deep ring of shared-memory
 // stages guarded by mbarriers.
@@ -46,13 +46,14 @@ using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mx
 
 // kPaired: launched in clusters of 2 CTAs (bpc = 2) that walk the same units in step; see Tile's
 // kMulticast / kIdle, TileSlots and Barriers::release for what the pair shares.
-// tmT: the bf16 down GEMM's map of kTailShare-row boxes of h, for the rows of a tail that a pair
-// carries (kCarriesTail); the other kernels do not read it.
+// bf16 only. tmT: the down GEMM's map of (kMaxRows - kBM)-row boxes of h, for the token rows
+// past kBM of a longer tile. tmS: the output map (as tmC) of kStoreRows-row boxes, for output
+// boxes with fewer live tokens. The MXFP8 kernels read neither.
 template <Weights kW, Kind kKind, int kStages, bool kPaired = false>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
                     const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmT,
-                    const GemmParams p) {
+                    const __grid_constant__ CUtensorMap tmS, const GemmParams p) {
   using Plan = StagePlan<kW, kStages>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     if constexpr (kW == Weights::kBf16)
-      consume_bf16<kKind, kStages>(&tmC, p, sbase, bars, slots, nk);
+      consume_bf16<kKind, kStages>(&tmC, &tmS, p, sbase, bars, slots, nk);
     else
       consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,
                                                                                                slots, nk);

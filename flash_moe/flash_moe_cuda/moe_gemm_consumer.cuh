@@ -1,10 +1,9 @@
 // The bf16 path's consumer warpgroups: both GEMMs with the weights as wgmma's M side and the
 // tokens as N, as the MXFP8 path has them, both operands in shared memory; the epilogues'
-// boxes come from moe_gemm_epilogue.cuh. The weights-as-M form lets a CTA pair's tile take
-// kTailShare more tokens on N (m64n144k16): its share of the expert's short tail block
-// (kCarriesTail), on the weight bytes it reads anyway. A tail computed on its own, a lone
-// 128-row tile for at most 32 tokens, cost 81-86 % of a full tile (NOTES.md, session 9).
-// ConsumerThread is shared with the MXFP8 consumer.
+// boxes come from moe_gemm_epilogue.cuh. On the token side wgmma's N fits the tile's live rows
+// in steps of 8 (m64nNk16, N = 8 .. kMaxRows), so padding costs at most 7 columns; a CTA
+// pair's part of an expert's rows may be up to kMaxRows long (Tile). ConsumerThread is shared
+// with the MXFP8 consumer.
 #pragma once
 
 #include <type_traits>
@@ -37,6 +36,18 @@ __device__ __forceinline__ float (&leading(float (&acc)[kM]))[kN] {
   return *reinterpret_cast<float(*)[kN]>(&acc[0]);
 }
 
+// f(std::integral_constant<int, n>) for the runtime n = 8, 16, .., kMaxRows: one mainloop per
+// wgmma N.
+template <int kN = 8, class F>
+__device__ __forceinline__ void with_tokens(int n, F&& f) {
+  if constexpr (kN <= kMaxRows) {
+    if (n == kN)
+      f(std::integral_constant<int, kN>{});
+    else
+      with_tokens<kN + 8>(n, f);
+  }
+}
+
 // ---------------------------------------------------------------- consumer
 // Warpgroup cw's two m64 weight blocks in a stage's two 128-row boxes. Gate/up: gate rows
 // 64cw.. of box 0 and up rows 64cw.. of box 1 (h features 64cw..64cw+63 of the n-block). Down:
@@ -54,25 +65,26 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
   return kKind == Kind::kGateUp ? n_origin<kKind>(t) + 64 * cw + r : n_origin<kKind>(t) + 128 * cw + 64 * block + r;
 }
 
-// Per warpgroup and k16 both wgmmas read a 2 KB weight block and the 4 KB token block (the
-// tokens-as-M form this replaced read as many). Tokens 64..127 all padding: m64n64k16.
+// Per warpgroup and k16 both wgmmas read a 2 KB weight block and the tile's N token rows.
 //
-// Epilogue: 64-token x 64-feature boxes (put_box_transposed), stored by TMA. Shared memory
-// leaves room for one 8 KB box per warpgroup (SmemPlan::kEpiOffset), so the warpgroup keeps
-// its tile's last stage (`held`) and writes its first two boxes over its own two weight blocks
-// there (no other warpgroup reads them), the third into its box; the down GEMM's fourth waits
-// for the first's store to read it. The held stage is released once the stores have read it,
-// after the next tile's first wgmmas are issued (the producer is then kStages - 1 ahead).
-// The tail's kTailShare tokens are stored from registers.
+// Epilogue: 64-token x 64-feature boxes (put_box_transposed), stored by TMA (tmC; a box with
+// fewer live tokens in kStoreRows-row pieces through tmS, so no store reaches past the tile's
+// rows into a peer CTA's). Shared memory leaves room for one 8 KB box per warpgroup
+// (SmemPlan::kEpiOffset), so the warpgroup keeps its tile's last stage (`held`) and writes its
+// first two boxes over its own two weight blocks there (no other warpgroup reads them), the
+// third into its box; the down GEMM's fourth waits for the first's store to read it. The held
+// stage is released once the stores have read it, after the next tile's first wgmmas are issued
+// (the producer is then kStages - 1 ahead). Tokens kBM.. of a longer tile are stored from
+// registers.
 template <Kind kKind, int kStages>
-__device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars,
-                             const TileSlots& slots, int nk) {
+__device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, const GemmParams& p, uint32_t sbase,
+                             const Barriers<kStages>& bars, const TileSlots& slots, int nk) {
   using Plan = SmemPlan<kStages>;
-  constexpr int kCarryN = kBM + kTailShare;
+  constexpr int kExtra = kMaxRows - kBM;
   const ConsumerThread me;
   const int cw = me.cw, w4 = me.w4, lane = me.lane, q = threadIdx.x & 127;
-  float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kCarryN;  // down: router weights
-  float acc0[kCarryN / 2], acc1[kCarryN / 2];
+  float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kMaxRows;  // down: router weights
+  float acc0[kMaxRows / 2], acc1[kMaxRows / 2];
   zero_fill(acc0);
   zero_fill(acc1);
   HandOff handoff;
@@ -85,7 +97,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     if (lane == 0) bars.release(held);
     held = -1;
   };
-  // kN: 64, 128 or 144 tokens.
+  // kN: the tile's wgmma N, 8 .. kMaxRows tokens.
   auto mainloop = [&](auto n_tokens) {
     constexpr int kN = decltype(n_tokens)::value;
     for (int kb = 0; kb < nk; ++kb, ++it) {
@@ -100,16 +112,8 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
         const uint64_t dt = make_desc_sw128(tok + kk * 32);
         const uint64_t d0 = make_desc_sw128(w0 + kk * 32), d1 = make_desc_sw128(w1 + kk * 32);
         const int sc = (kb > 0 || kk > 0) ? 1 : 0;
-        if constexpr (kN == 64) {
-          wgmma_m64n64k16_bf16(leading<32>(acc0), d0, dt, sc);
-          wgmma_m64n64k16_bf16(leading<32>(acc1), d1, dt, sc);
-        } else if constexpr (kN == 128) {
-          wgmma_m64n128k16_bf16(leading<64>(acc0), d0, dt, sc);
-          wgmma_m64n128k16_bf16(leading<64>(acc1), d1, dt, sc);
-        } else {
-          wgmma_m64n144k16_bf16(acc0, d0, dt, sc);
-          wgmma_m64n144k16_bf16(acc1, d1, dt, sc);
-        }
+        wgmma_ss_bf16<kN>(acc0, d0, dt, sc);
+        wgmma_ss_bf16<kN>(acc1, d1, dt, sc);
       }
       wgmma_commit();
       if (kb == 0) release_held();
@@ -125,42 +129,37 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
     const bool idle = tile.flags & kIdle;
-    const bool carry = tile.flags & kCarriesTail;
-    const int tail0 = carry ? tail_block(tile.flags) * kBM + kTailShare * (int)slots.rank : 0;  // its first row
-    // lo / hi: tokens 0..63 / 64..127 hold a live row (thread q looks at token q). Padding
-    // follows the live rows, so !lo means an all-padding tile. Both GEMMs decide alike, so the
-    // h rows a gate/up tile leaves unwritten are never read. Every global load is issued before
-    // the first barrier; the down GEMM's router weights go to wt only after the mainloop, so
-    // their latency hides behind it.
-    bool lo = false, hi = false;
-    float wq = 0.f, wtail = 0.f;
+    // Thread q looks at token q and, for q < kExtra, at token kBM + q. moe_align puts an
+    // expert's padding after its live rows, so the live count ends the live rows: n, rounded
+    // up to 8, is wgmma's N (at most tile.rows, a multiple of 8), and n = 0 an all-padding
+    // tile. Both GEMMs decide alike, so the h rows a gate/up tile leaves unwritten are never
+    // read. Every global load is issued before the first barrier; the down GEMM's router
+    // weights go to wt only after the mainloop, so their latency hides behind it.
+    int n = 0;
+    float wq = 0.f, wx = 0.f;
     if (!idle) {
-      const int sid = p.sorted_ids[tile.m0 + q];
-      const bool live_q = live_slot(p, sid);
-      lo = named_barrier_or(2 + cw, 128, q < 64 && live_q);
-      hi = named_barrier_or(2 + cw, 128, q >= 64 && live_q);
+      const int sid = q < tile.rows ? p.sorted_ids[tile.m0 + q] : -1;
+      const int xsid = q < kExtra && kBM + q < tile.rows ? p.sorted_ids[tile.m0 + kBM + q] : -1;
+      const bool live_q = live_slot(p, sid), live_x = live_slot(p, xsid);
       if (kKind == Kind::kDown) {
-        const int tsid = carry && q < kTailShare ? p.sorted_ids[tail0 + q] : -1;
         if (live_q) wq = p.topk_weights[sid];
-        if (live_slot(p, tsid)) wtail = p.topk_weights[tsid];
+        if (live_x) wx = p.topk_weights[xsid];
       }
+      n = named_barrier_popc(2 + cw, 128, live_q);
+      if (n == kBM && tile.rows > kBM) n += named_barrier_popc(2 + cw, 128, live_x);
+      n = (n + 7) & ~7;
     }
-    if (!lo) {
+    if (n == 0) {
       release_held();
       pass_tile(bars, it, nk, lane);
       if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
     }
-    if (carry)
-      mainloop(std::integral_constant<int, kCarryN>{});
-    else if (hi)
-      mainloop(std::integral_constant<int, kBM>{});
-    else
-      mainloop(std::integral_constant<int, 64>{});
+    with_tokens(n, mainloop);
 
-    if (kKind == Kind::kDown) {  // every thread is past the previous tile's epilogue (the lo barrier)
+    if (kKind == Kind::kDown) {  // every thread is past the previous tile's epilogue (the popc barrier)
       wt[q] = wq;
-      if (q < kTailShare) wt[kBM + q] = wtail;
+      if (q < kExtra) wt[kBM + q] = wx;
       named_barrier_sync(4 + cw, 128);
     }
     // Accumulator a = 4j + 2h + e: feature row 16 w4 + lane/4 + 8h, token 8j + 2(lane%4) + e.
@@ -173,13 +172,13 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
     };
     if (kKind == Kind::kGateUp) {
       handoff.flush<true>(p, 2 + cw);
-      handoff.pending = tile.m0 / kBM;
-      handoff.pending_tail = carry ? tail_block(tile.flags) : -1;
+      handoff.pending = tile.group;
+      handoff.pending_regs = n > kBM;
     }
     // Box i = block * nt + tb of the tile: feature block `block`, tokens 64 tb.. (nt = 1 or 2
     // token halves).
     constexpr int kBlocks = kKind == Kind::kGateUp ? 1 : 2;  // 64-feature blocks this warpgroup stores
-    const int nt = hi ? 2 : 1;
+    const int nt = n > 64 ? 2 : 1;
     const uint32_t held_boxes = sbase + held * Plan::kStageBytes + Plan::kABytes;
 #pragma unroll
     for (int block = 0; block < kBlocks; ++block)
@@ -201,11 +200,16 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
         fence_proxy_async_shared();
         named_barrier_sync(4 + cw, 128);
         if (q == 0) {
-          tma_store_2d(tmC, box, feature<kKind>(tile, cw, block, 0), tile.m0 + 64 * tb);
+          const int f = feature<kKind>(tile, cw, block, 0), row = tile.m0 + 64 * tb;
+          const int box_rows = n - 64 * tb < 64 ? n - 64 * tb : 64;
+          if (box_rows == 64)
+            tma_store_2d(tmC, box, f, row);
+          else
+            for (int r = 0; r < box_rows; r += kStoreRows) tma_store_2d(tmS, box + r * 128, f, row + r);
           bulk_commit_group();
         }
       }
-    if (carry) {  // tokens 128..143: rows tail0.. of the tail block, from registers
+    if (n > kBM) {  // tokens kBM.. from registers
 #pragma unroll
       for (int block = 0; block < kBlocks; ++block)
 #pragma unroll
@@ -213,12 +217,14 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const GemmParams& p, uint32
           const int f = feature<kKind>(tile, cw, block, 16 * w4 + (lane >> 2) + 8 * h);
           if (f >= p.n_out) continue;
 #pragma unroll
-          for (int j = kBM / 8; j < kCarryN / 8; ++j)
+          for (int j = kBM / 8; j < kMaxRows / 8; ++j) {
+            if (8 * j >= n) break;
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int a = 4 * j + 2 * h + e;
-              p.out[(int64_t)(tail0 + token(a) - kBM) * p.ldo + f] = __float2bfloat16_rn(value(block, a));
+              p.out[(int64_t)(tile.m0 + token(a)) * p.ldo + f] = __float2bfloat16_rn(value(block, a));
             }
+          }
         }
     }
   }

@@ -197,7 +197,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kBM;
     if (kKind == Kind::kGateUp) {
       handoff.flush<false>(p, 2 + cw);
-      handoff.pending = tile.m0 / kBM;
+      handoff.pending = tile.group;
       // f16 path: the products carry 2^(268 - top_w - top_x); the rows' factors are in
       // registers, the 128 tokens' in wt. Both multiplications are exact (mx::kWindow).
       float fw[2][2] = {{1.f, 1.f}, {1.f, 1.f}};

@@ -17,18 +17,15 @@ namespace gemm {
 template <int kGatherThreads>
 struct GatherA {
   static constexpr int kRowStep = kGatherThreads / 8;
-  static constexpr int kRows = kBM / kRowStep;  // rows per thread
-  // Byte address of the thread's chunk in k-block 0 of each row; a padding row points at x's
-  // first row instead (valid memory, never read: its copies zero-fill), so issue() only adds
-  // the k-block offset: two integer adds per copy, no select.
-  const uint8_t* src[kRows];
-  // Bit j: row j is live. kCarriesTail tiles: bit kRows, the thread's chunk of row r0 of this
-  // CTA's share of the tail block (its rows kTailShare rank + r0), copied to token-tile row
-  // 128 + r0 from tail_src.
-  uint32_t okmask;
-  static_assert(kRowStep == kTailShare, "one tail row per gathering thread");
-  const uint8_t* tail_src = nullptr;
-  bool tail_on = false;
+  static constexpr int kRows = kBM / kRowStep;  // rows per thread in an m-block's worth
+  static_assert(kRowStep == kMaxRows - kBM, "one row past the m-block's worth per gathering thread");
+  // Byte address of the thread's chunk in k-block 0 of each row (row j: tile row r0 +
+  // kRowStep j; row kRows: tile row kBM + r0, gathered when the tile has more than kBM rows);
+  // a padding row points at x's first row instead (valid memory, never read: its copies
+  // zero-fill), so issue() only adds the k-block offset: two integer adds per copy, no select.
+  const uint8_t* src[kRows + 1];
+  uint32_t okmask;  // bit j: row j is live
+  bool extra_on = false;
   int c, r0;
   uint32_t swz;
   __device__ GatherA() {
@@ -40,19 +37,16 @@ struct GatherA {
   __device__ const uint8_t* chunk_src(const GemmParams& p, int sid, bool ok) const {
     return reinterpret_cast<const uint8_t*>(p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
   }
-  __device__ void begin_tile(const GemmParams& p, const Tile& tile, uint32_t rank) {
+  // Rows at or past tile.rows belong to the peer CTA's part (or to nothing): zero-filled, and
+  // never read by the consumers, which compute at most tile.rows columns.
+  __device__ void begin_tile(const GemmParams& p, const Tile& tile) {
     okmask = 0;
-    tail_on = tile.flags & kCarriesTail;
-    if (tail_on) {
-      const int sid = p.sorted_ids[tail_block(tile.flags) * kBM + kTailShare * (int)rank + r0];
-      const bool ok = live_slot(p, sid);
-      okmask = (ok ? 1u : 0u) << kRows;
-      tail_src = chunk_src(p, sid, ok);
-    }
+    extra_on = tile.rows > kBM;
     const bool idle = tile.flags & kIdle;  // zero-fills: its consumers read nothing
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int sid = p.sorted_ids[tile.m0 + r0 + kRowStep * j];
+    for (int j = 0; j <= kRows; ++j) {
+      const int r = r0 + kRowStep * j;
+      const int sid = (j < kRows || extra_on) && r < tile.rows ? p.sorted_ids[tile.m0 + r] : -1;
       const bool ok = !idle && live_slot(p, sid);
       okmask |= (ok ? 1u : 0u) << j;
       src[j] = chunk_src(p, sid, ok);
@@ -62,12 +56,11 @@ struct GatherA {
     const uint32_t live = kb * kBK + c * 8 < p.K ? okmask : 0u;
     const uint32_t koff = (uint32_t)kb * (kBK * 2);
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) {
+    for (int j = 0; j <= kRows; ++j) {
+      if (j == kRows && !extra_on) break;
       const uint32_t dst = a_smem + (uint32_t)(r0 + kRowStep * j) * 128u + swz;
       cp_async_16(dst, src[j] + koff, ((live >> j) & 1u) ? 16u : 0u);
     }
-    if (tail_on)
-      cp_async_16(a_smem + (uint32_t)(kBM + r0) * 128u + swz, tail_src + koff, ((live >> kRows) & 1u) ? 16u : 0u);
     cp_async_arrive_noinc(full_bar);
   }
 };
@@ -145,7 +138,7 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
   for (;;) {
     const Tile tile = slots.next(p, order, kProducers);
     if (tile.m0 < 0) break;
-    if (kKind == Kind::kGateUp) gather.begin_tile(p, tile, slots.rank);
+    if (kKind == Kind::kGateUp) gather.begin_tile(p, tile);
     for (int kb = 0; kb < nk; ++kb, ++it) {
       const int s = it % kStages;
       const uint32_t stage = sbase + s * kStageBytes;
@@ -170,8 +163,10 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
   }
 }
 
-// A kCarriesTail tile's token tile has kTailShare more rows, the CTA's share of the tail block
-// (the gate/up gather adds them; the down GEMM loads them from h through tmT).
+// A tile of more than kBM rows (a CTA pair's part) has up to kMaxRows - kBM more token rows:
+// the gate/up gather adds them; the down GEMM loads them from h through tmT (boxes of
+// kMaxRows - kBM rows). The down GEMM loads kBM h rows even for a shorter part; the rows past
+// it are read, not used.
 template <Kind kKind, int kStages>
 __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmT,
                              const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
@@ -181,15 +176,13 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
   auto load = [&](const Tile& tile, int kb, uint32_t a_s, uint32_t full) {
     const int n0 = n_origin<kKind>(tile);
     const uint32_t b_s = a_s + Plan::kABytes;
-    const bool tail = tile.flags & kCarriesTail;
+    const bool extra = tile.rows > kBM;
     uint32_t tx = 2 * Plan::kBBoxBytes;
-    if (kKind == Kind::kDown) tx += (kBM + (tail ? kTailShare : 0)) * kRowBytes;
+    if (kKind == Kind::kDown) tx += (extra ? kMaxRows : kBM) * kRowBytes;
     mbar_arrive_expect_tx(full, tx);
     if (kKind == Kind::kDown) {
       tma_load_2d(a_s, &tmA, kb * kBK, tile.m0, full);
-      if (tail)
-        tma_load_2d(a_s + kBM * kRowBytes, &tmT, kb * kBK,
-                    tail_block(tile.flags) * kBM + kTailShare * (int)slots.rank, full);
+      if (extra) tma_load_2d(a_s + kBM * kRowBytes, &tmT, kb * kBK, tile.m0 + kBM, full);
     }
     if (tile.flags & kMulticast) {
       // CTA r of the pair loads box r for both: each weight byte leaves L2 once per pair.

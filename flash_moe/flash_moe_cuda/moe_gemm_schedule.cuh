@@ -63,38 +63,43 @@ struct GemmParams {
 __device__ __forceinline__ bool live_slot(const GemmParams& p, int sid) { return sid >= 0 && sid < p.n_slots; }
 
 // ---------------------------------------------------------------- scheduler
+// A tile: n-block nb of expert e for the token rows [m0, m0 + rows) of sorted_ids. Without CTA
+// pairs, and for a pair's lone block, that is one m-block (rows = kBM); the consumers fit wgmma's
+// N to the live rows in it. A CTA pair's tiles split the live rows of up to kBM + kBM +
+// kTailRows of an expert's sorted rows between the two CTAs (pair_units_kernel), each part at
+// most kMaxRows, so no SM computes more padding than its peer makes it wait for.
+// `group`: the m-block that keys the gate/up -> down handoff (HandOff) for these rows.
 struct Tile {
   int m0, nb, e;  // m0 < 0: the end of the schedule
   int flags = 0;  // CTA pairs: kMulticast, kIdle
+  int rows = kBlockM;
+  int group = 0;
 };
 // CTA pairs (clusters of 2, bpc = 2). kMulticast: the two CTAs compute one n-block for two
-// m-blocks of one expert, and each TMA-multicasts one of the stage's two weight boxes to both.
-// kIdle: this CTA has no tile in the unit (the second CTA of a lone block with an odd n-block
-// count); it loads and keeps its barriers in step with its peer but computes and stores nothing.
+// parts of one expert's rows, and each TMA-multicasts one of the stage's two weight boxes to
+// both. kIdle: this CTA has no tile in the unit (the second CTA of a lone block with an odd
+// n-block count); it loads and keeps its barriers in step with its peer but computes and
+// stores nothing.
 constexpr int kMulticast = 1;
 constexpr int kIdle = 2;
-// Carried tails (the bf16 op's CTA pairs). kCarriesTail: a pair tile that also computes 16 rows
-// of its expert's short tail block (the block's m-block index in the bits from kTailShift up,
-// tail_block(); CTA r takes rows kTailShare r.. of it) as 16 more tokens on wgmma's N side; the
-// tail block has no tiles of its own. The gate/up GEMM then counts the tail's h rows twice per
-// n-block as often as a block's own (two CTAs x two warpgroups, HandOff).
-constexpr int kCarriesTail = 4;
-constexpr int kTailShift = 8;
-constexpr int kTailShare = 16;
-constexpr int kTailRows = 2 * kTailShare;  // a tail block of at most this many live rows can be carried
-// The m-block index read back unsigned: L < 2^31 keeps it below 2^24, so it fits 32 - 8 bits.
-__device__ __forceinline__ int tail_block(int flags) { return (int)((uint32_t)flags >> kTailShift); }
+// A token tile holds up to kMaxRows rows, 16 more than an m-block: a pair whose expert ends
+// in a block of at most kTailRows live rows after the pair's two blocks computes that block
+// too (it gets no tiles of its own). Computed on its own, such a tail cost 81-86 % of a full
+// tile (NOTES.md, session 9).
+constexpr int kMaxRows = kBlockM + 16;
+constexpr int kTailRows = 2 * (kMaxRows - kBlockM);
 
 // The work of CTA pairs as a list of units in m-block order, ceil(num_n / 2) claims each (so no
 // claim is wasted on a lone block, which needs only half as many): each expert's m-blocks taken
-// two at a time, a pair {mb, mb + 1} being two units (its n-blocks j < ceil(num_n / 2), then
-// the rest: kUnitSecondHalf), an odd last block one unit {mb | kUnitAlone, -1} whose n-blocks
-// 2j and 2j + 1 go to the two CTAs. An expert's lone block follows its pairs, so it finds
-// their weights in L2.
+// two at a time, a pair {mb, mb + 1} (and a short tail block mb + 2 it carries) being two units
+// (its n-blocks j < ceil(num_n / 2), then the rest: kUnitSecondHalf) whose .y holds the rows of
+// the two CTAs' parts (unit_rows), an odd last block one unit {mb | kUnitAlone, 0} whose
+// n-blocks 2j and 2j + 1 go to the two CTAs. An expert's lone block follows its pairs, so it
+// finds their weights in L2.
 constexpr int kUnitAlone = 1 << 30;
 constexpr int kUnitSecondHalf = 1 << 29;
-constexpr int kUnitCarriesTail = 1 << 28;  // a pair followed by its expert's short tail block
-constexpr int kUnitBlock = kUnitCarriesTail - 1;
+constexpr int kUnitBlock = kUnitSecondHalf - 1;
+__host__ __device__ constexpr int unit_rows(int rows0, int rows1) { return rows0 | rows1 << 16; }
 
 // The order tiles are handed out in, as groups of claims. Single CTAs: the (m-block, n-block)
 // grid that num_tokens_post_padded (read on the device) covers, the n-blocks of an m-block next
@@ -128,7 +133,7 @@ __device__ Tile claim_tile(const GemmParams& p, const TileOrder& order) {
     if (t >= order.count()) return Tile{-1, 0, 0};
     const int mb = t / order.per_group, nb = t - mb * order.per_group;
     const int e = p.expert_ids[mb];
-    if (e >= 0 && e < p.E) return Tile{mb * kBM, nb, e};
+    if (e >= 0 && e < p.E) return Tile{mb * kBM, nb, e, 0, kBM, mb};
   }
 }
 
@@ -140,9 +145,10 @@ struct TilePair {
 };
 __device__ TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
   const int num_n = p.num_n, half = order.per_group;
+  const Tile end{-1, 0, 0};
   for (;;) {
     const int t = atomicAdd(p.tile_counter, 1);
-    if (t >= order.count()) return TilePair(Tile{-1, 0, 0, 0}, Tile{-1, 0, 0, 0});
+    if (t >= order.count()) return TilePair(end, end);
     const int u = t / half, c = t - u * half;
     const int2 unit = p.units[u];
     const int mb = unit.x & kUnitBlock;
@@ -150,12 +156,12 @@ __device__ TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
     if (e < 0 || e >= p.E) continue;
     if (unit.x & kUnitAlone) {
       const bool odd_end = 2 * c + 1 >= num_n;  // num_n odd: the last n-block has no partner
-      return TilePair(Tile{mb * kBM, 2 * c, e, 0}, Tile{mb * kBM, 2 * c + 1, e, odd_end ? kIdle : 0});
+      return TilePair(Tile{mb * kBM, 2 * c, e, 0, kBM, mb}, Tile{mb * kBM, 2 * c + 1, e, odd_end ? kIdle : 0, kBM, mb});
     }
     const int j = (unit.x & kUnitSecondHalf) ? half + c : c;
     if (j >= num_n) continue;
-    const int f = kMulticast | ((unit.x & kUnitCarriesTail) ? kCarriesTail | (int)((uint32_t)(mb + 2) << kTailShift) : 0);
-    return TilePair(Tile{mb * kBM, j, e, f}, Tile{unit.y * kBM, j, e, f});
+    const int rows0 = unit.y & 0xFFFF, rows1 = unit.y >> 16;
+    return TilePair(Tile{mb * kBM, j, e, kMulticast, rows0, mb}, Tile{mb * kBM + rows0, j, e, kMulticast, rows1, mb});
   }
 }
 
@@ -168,18 +174,19 @@ __device__ TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
 // CTA pairs: rank 0's thread 0 claims for both and writes rank 1's tile into rank 1's claim
 // slot (`full` barrier); rank 1 reads it and frees the slot (`free` barrier in rank 0).
 struct TileSlots {
-  uint32_t base;  // 16 bytes per slot: [2] claim slots, [stages] stage slots, then 4 mbarriers
+  uint32_t base;  // 32 bytes per slot: [2] claim slots, [stages] stage slots, then 4 mbarriers
   int stages;
   uint32_t rank;  // in the CTA pair; 0 without pairs
   bool paired;
   int claims = 0;
-  static constexpr int bytes(int stages) { return (2 + stages) * 16 + 4 * 8; }
+  static constexpr int kSlotBytes = 32;
+  static constexpr int bytes(int stages) { return (2 + stages) * kSlotBytes + 4 * 8; }
   __device__ TileSlots(uint32_t addr, int stages_, uint32_t rank_, bool paired_)
       : base(addr), stages(stages_), rank(rank_), paired(paired_) {}
-  __device__ uint32_t claim(int i) const { return base + 16 * i; }
-  __device__ uint32_t stage(int s) const { return base + 16 * (2 + s); }
-  __device__ uint32_t claim_full(int i) const { return base + 16 * (2 + stages) + 8 * i; }
-  __device__ uint32_t claim_free(int i) const { return base + 16 * (2 + stages) + 16 + 8 * i; }
+  __device__ uint32_t claim(int i) const { return base + kSlotBytes * i; }
+  __device__ uint32_t stage(int s) const { return base + kSlotBytes * (2 + s); }
+  __device__ uint32_t claim_full(int i) const { return base + kSlotBytes * (2 + stages) + 8 * i; }
+  __device__ uint32_t claim_free(int i) const { return base + kSlotBytes * (2 + stages) + 16 + 8 * i; }
   __device__ void init_barriers() const {
     for (int i = 0; i < 2; ++i) {
       mbar_init(claim_full(i), 1);
@@ -189,14 +196,17 @@ struct TileSlots {
   // kPeer: `slot` is in the other CTA of the pair (peer_smem).
   template <bool kPeer = false>
   __device__ static void put(uint32_t slot, const Tile& t) {
-    if constexpr (kPeer)
+    if constexpr (kPeer) {
       st_peer_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
-    else
+      st_peer_v4(slot + 16, (uint32_t)t.rows, (uint32_t)t.group, 0u, 0u);
+    } else {
       st_shared_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
+      st_shared_v4(slot + 16, (uint32_t)t.rows, (uint32_t)t.group, 0u, 0u);
+    }
   }
   __device__ static Tile get(uint32_t slot) {
-    const uint4 v = ld_shared_v4(slot);
-    return Tile{(int)v.x, (int)v.y, (int)v.z, (int)v.w};
+    const uint4 v = ld_shared_v4(slot), w = ld_shared_v4(slot + 16);
+    return Tile{(int)v.x, (int)v.y, (int)v.z, (int)v.w, (int)w.x, (int)w.y};
   }
   // Producer threads (all `threads` of them call it): the next tile.
   __device__ Tile next(const GemmParams& p, const TileOrder& order, int threads) {
@@ -230,21 +240,23 @@ struct TileSlots {
 // ---------------------------------------------------------------- gate/up -> down handoff
 // The down GEMM is launched as a programmatic dependent of the gate/up GEMM, so its CTAs start
 // on the SMs the gate/up GEMM's last tiles leave idle, and stream order no longer covers h.
-// Instead every gate/up consumer warpgroup adds 1 to h_done[m-block] for each tile once its h
-// stores have landed, and the down producer waits for an m-block's count to reach
-// h_done_target (2 warpgroups x the gate/up n-blocks) before its first h load of that block.
-// Both GEMMs walk the same m-blocks (same ntpp, same expert check), so every awaited count is
-// reached. The gate/up count is sent one tile late (`pending`): by then the stores have long
-// landed and the wait before the release costs nothing.
+// Instead every gate/up consumer warpgroup adds 1 to h_done[tile.group] for each tile once its
+// h stores have landed, and the down producer waits for that count to reach h_done_target (2
+// warpgroups x the gate/up n-blocks) before its first h load of the group, twice that for a
+// CTA pair's tiles (kMulticast: both CTAs' parts count to the pair's group). Both GEMMs walk the
+// same groups (same ntpp, same units, same expert check), so every awaited count is reached.
+// The gate/up count is sent one tile late (`pending`): by then the stores have long landed and
+// the wait before the release costs nothing.
 struct HandOff {
-  int pending = -1;  // m-block of this warpgroup's previous tile, not yet counted
-  int pending_tail = -1;  // the tail block that tile carried (kCarriesTail), or -1
+  int pending = -1;  // group of this warpgroup's previous tile, not yet counted
+  bool pending_regs = false;  // that tile stored rows from registers as well
   // Count `pending`, all 128 threads of the warpgroup. kTmaStores: thread 0 issued the tile's
-  // stores as TMA bulk groups; else every thread stored from registers.
+  // stores as TMA bulk groups (and, if pending_regs, every thread stored some from registers);
+  // else every thread stored from registers.
   template <bool kTmaStores>
   __device__ void flush(const GemmParams& p, int bar_id) {
     if (pending < 0) return;
-    if (!kTmaStores || pending_tail >= 0) {  // a carried tail is stored from registers
+    if (!kTmaStores || pending_regs) {
       __threadfence();
       named_barrier_sync(bar_id, 128);
     }
@@ -254,24 +266,18 @@ struct HandOff {
         fence_proxy_async_global();
       }
       red_release_gpu_add(p.h_done + pending, 1);
-      if (pending_tail >= 0) red_release_gpu_add(p.h_done + pending_tail, 1);
     }
-    pending = pending_tail = -1;
+    pending = -1;
+    pending_regs = false;
   }
   // A warpgroup that stores nothing for a tile (all-padding rows) counts it at once.
   __device__ static void count_empty(const GemmParams& p, const Tile& t) {
-    if ((threadIdx.x & 127) == 0) {
-      red_release_gpu_add(p.h_done + t.m0 / kBM, 1);
-      if (t.flags & kCarriesTail) red_release_gpu_add(p.h_done + tail_block(t.flags), 1);
-    }
+    if ((threadIdx.x & 127) == 0) red_release_gpu_add(p.h_done + t.group, 1);
   }
   // Down producer thread: wait until the tile's h rows are complete.
   __device__ static void wait_ready(const GemmParams& p, const Tile& t) {
-    const auto wait_for = [](const int* count, int target) {
-      while (ld_acquire_gpu(count) < target) __nanosleep(128);
-    };
-    wait_for(p.h_done + t.m0 / kBM, p.h_done_target);
-    if (t.flags & kCarriesTail) wait_for(p.h_done + tail_block(t.flags), 2 * p.h_done_target);
+    const int target = (t.flags & kMulticast) ? 2 * p.h_done_target : p.h_done_target;
+    while (ld_acquire_gpu(p.h_done + t.group) < target) __nanosleep(128);
     fence_proxy_async_global();
   }
 };

@@ -8,14 +8,14 @@
 namespace flash_moe {
 namespace gemm {
 
-// bf16 path: a stage is the token tile -- 128 rows and kTailShare more, the CTA's share of its
-// expert's short tail when a pair carries it (kCarriesTail) -- and two 128-row weight boxes.
+// bf16 path: a stage is the token tile -- up to kMaxRows rows, 16 more than an m-block for a
+// CTA pair's longer part (Tile) -- and two 128-row weight boxes.
 // With four stages there is room for one 64 x 64 output box per consumer warpgroup (the
 // consumers stage their other boxes in the tile's last stage, see consume_bf16) and the down
 // tile's router weights.
 template <int kStages>
 struct SmemPlan {
-  static constexpr int kTokenRows = kBM + kTailShare;
+  static constexpr int kTokenRows = kMaxRows;
   static constexpr int kABytes = kTokenRows * kBK * 2;  // 18 KB bf16 token tile
   static constexpr int kBBoxBytes = 128 * kBK * 2;      // 16 KB: one 128-row bf16 weight box
   static constexpr int kStageBytes = kABytes + 2 * kBBoxBytes;

@@ -126,8 +126,8 @@ def test_fused_bit_identical_repeats(kernel):
         assert torch.equal(_run(kernel, x, w, w2, ids, wt), first)
 
 
-# CTA pairs (bpc = 2) compute every output element with the same k order as single CTAs (a
-# carried tail's tokens only widen the wgmma's N), so the outputs must be bit-identical. The shapes cover pairs and lone blocks
+# CTA pairs (bpc = 2) compute every output element with the same k order as single CTAs (how a
+# pair splits an expert's rows only changes the wgmma's N), so the outputs must be bit-identical. The shapes cover pairs and lone blocks
 # (odd and even block counts per expert), odd n-block counts in either GEMM (I = 384, 640:
 # 3 and 5 gate/up n-blocks; K = 640: 3 down n-blocks; an idle CTA in the lone block's last
 # claim; a three-block run per expert with odd n-block counts in both GEMMs), one expert
@@ -155,18 +155,21 @@ def test_pairs_bit_identical_to_single(kernel, M, K, I, E, top_k, drop, one, sta
     assert torch.equal(_run(kernel, x, w, w2, ids, wt, stages=stages, bpc=2), paired)
 
 
-# CTA pairs carry an expert's short tail block (at most 32 live rows after a pair of its
-# blocks) on the pair's own tiles, weights as wgmma's M side. Expert counts here put every tail
-# case side by side: tails of 1, 16, 17 and 32 rows after one pair, 5 rows after two pairs
-# (carried); 33 rows (not carried), a tail after a lone full block (not carried), an even block
-# count ending in a short block (a pair, not carried), an exact multiple of 128 (no tail), an
+# wgmma's N is fitted to a tile's live rows in steps of 8; CTA pairs split an expert's rows
+# evenly between their two CTAs and carry its short tail block (at most 32 live rows after a
+# pair of its blocks). Expert counts here put every case side by side: tails of 1, 16, 17 and
+# 32 rows after one pair, 5 rows after two pairs (carried); 33 rows (not carried), a tail after
+# a lone full block (not carried), an even block count ending in a short block (a pair, not
+# carried; 135 rows split 72 + 64, 200 as 104 + 96, 249 as 128 + 128), 281 rows as 144 + 144, an
+# exact multiple of 128 (no tail), lone blocks of 3, 61 and 100 rows (N = 8, 64, 104), an
 # empty expert. Both pipeline depths.
-TAIL_COUNTS = [256 + 1, 256 + 16, 256 + 17, 256 + 32, 256 + 33, 512 + 5, 128 + 7, 384 + 3, 384, 0]
+TAIL_COUNTS = [256 + 1, 256 + 16, 256 + 17, 256 + 32, 256 + 33, 512 + 5, 128 + 7, 384 + 3, 200, 249, 281, 384, 3, 61,
+               100, 0]
 
 
 @pytest.mark.parametrize("stages", [3, 4])
 @pytest.mark.parametrize("K,I", [(640, 384), (2048, 768), (7168, 2048)])
-def test_carried_tails_bit_identical_to_single(kernel, reference, K, I, stages):
+def test_fitted_tiles_bit_identical_to_single(kernel, reference, K, I, stages):
     E = len(TAIL_COUNTS)
     g = torch.Generator(device="cuda").manual_seed(K + I)
     ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(TAIL_COUNTS)]).cuda()
