@@ -140,17 +140,21 @@ def fused_moe_bf16(
         x: (M, K) bf16 tokens.
         w: (E, 2I, K) bf16, cat([gate, up], dim=1).
         w2: (E, K, I) bf16 down projection.
-        sorted_token_ids, expert_ids, num_tokens_post_padded: from `moe_align`.
+        sorted_token_ids, expert_ids, num_tokens_post_padded: from `moe_align`. The kernels
+            rely on its layout: inside each expert's padded run the live slot ids come first,
+            then the sentinel (a live id after a sentinel in the same run may be skipped).
+            Ids outside [0, M*top_k) and blocks of experts outside [0, E) are skipped, never
+            read out of bounds.
         topk_weights: (M, top_k) fp32 router weights.
         out: (M, K) bf16, written in place and returned.
         top_k: routing fan-out, 1..16.
         block_m, block_n, warp_n, stages, bpc, cpc: tuning; accepted values are exactly
             block_m=128, block_n=128, warp_n=128, stages in {3, 4}, bpc in {1, 2}, cpc=1.
             bpc=2 runs both GEMMs as clusters of two CTAs: two m-blocks of one expert share
-            each weight load (TMA multicast), an expert's odd last block splits its n-blocks
-            over the pair, or, when it holds at most 32 live slots, rides on the pair's
-            tiles as 16 more tokens per CTA. Same output bits as bpc=1. Needs no change to
-            `moe_align`.
+            each weight load (TMA multicast) and split their live slots evenly between the
+            two CTAs; an expert's odd last block splits its n-blocks over the pair, or, when
+            it holds at most 32 live slots, joins the pair's parts. Same output bits as
+            bpc=1. Needs no change to `moe_align`.
         split: True -> the op overwrites `out` with the result (every row written, rows of
             tokens with no live slot get 0); False -> the op ADDS the result into `out`
             (the caller pre-zeroes it or passes e.g. a shared-expert output).
