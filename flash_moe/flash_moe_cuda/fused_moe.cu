@@ -33,16 +33,23 @@ using gemm::GemmParams;
 using gemm::Kind;
 
 // ---------------------------------------------------------------- top-k sum
-// inv[slot] = position of slot in sorted_ids (only for valid slots in valid blocks).
+// inv[slot] = position of slot in sorted_ids (only for valid slots in valid blocks), and
+// block_live[b] = the live rows of m-block b (zeroed before): written by the block's last live
+// row, the one followed by padding or the block's end (moe_align puts the padding after the
+// live rows; with other buffers the value is some live row's offset + 1, in [1, kBlockM]).
 __global__ void inverse_kernel(const int32_t* __restrict__ sorted_ids, const int32_t* __restrict__ expert_ids,
                                const int32_t* __restrict__ ntpp_ptr, int L, int n_slots, int E,
-                               int32_t* __restrict__ inv) {
+                               int32_t* __restrict__ inv, int32_t* __restrict__ block_live) {
   int ntpp = *ntpp_ptr;
   ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
+  const auto live = [&](int sid) { return sid >= 0 && sid < n_slots; };
   for (int pos = blockIdx.x * blockDim.x + threadIdx.x; pos < ntpp; pos += gridDim.x * blockDim.x) {
     const int sid = sorted_ids[pos];
     const int e = expert_ids[pos / kBlockM];
-    if (sid >= 0 && sid < n_slots && e >= 0 && e < E) inv[sid] = pos;
+    if (!live(sid) || e < 0 || e >= E) continue;
+    inv[sid] = pos;
+    const int r = pos % kBlockM;
+    if (r == kBlockM - 1 || pos + 1 >= ntpp || !live(sorted_ids[pos + 1])) block_live[pos / kBlockM] = r + 1;
   }
 }
 
@@ -60,7 +67,7 @@ __global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t*
                                                                   const int32_t* __restrict__ ntpp_ptr, int L, int E,
                                                                   int2* __restrict__ units,
                                                                   int32_t* __restrict__ num_units,
-                                                                  const int32_t* __restrict__ sorted_ids, int n_slots) {
+                                                                  const int32_t* __restrict__ block_live) {
   using Scan = cub::BlockScan<int, kUnitThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int carry[2];  // the last block's run start, units so far
@@ -79,30 +86,13 @@ __global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t*
     __syncthreads();
     const bool leads = in && e >= 0 && e < E && ((mb - run_start) & 1) == 0;
     const auto same = [&](int b) { return b < num_m && expert_ids[b] == e; };
-    // Block b's live rows, which come first (moe_align): two rounds of loads, the first row of
-    // each 16-row group, then the rows of the last group that starts live. (A 128-load count
-    // made this kernel 20-45 us long.) Any routing buffers give a count in [0, kBM].
-    const auto live_rows = [&](int b) {
-      const int* rows = sorted_ids + b * gemm::kBM;
-      const auto live = [&](int r) { return rows[r] >= 0 && rows[r] < n_slots ? 1 : 0; };
-      int groups = 0;
-#pragma unroll
-      for (int g = 0; g < gemm::kBM / 16; ++g) groups += live(16 * g);
-      if (groups == 0) return 0;
-      int n = 16 * (groups - 1);
-#pragma unroll
-      for (int r = 0; r < 16; ++r) n += live(16 * (groups - 1) + r);
-      return n;
-    };
-    // Fitting (sorted_ids given): an expert's last block with at most kTailRows live rows
-    // (moe_align puts the padding after them), after a pair of its blocks, is computed by that
-    // pair's tiles and gets no unit of its own; and a pair's live rows are split evenly between
-    // its two CTAs (parts of at most kMaxRows rows, multiples of 8). Without: each CTA one block.
-    const auto short_tail = [&](int b) {
-      const int sid = sorted_ids[b * gemm::kBM + gemm::kTailRows];
-      return !(sid >= 0 && sid < n_slots);
-    };
-    const bool fit = sorted_ids != nullptr;
+    // Fitting (block_live given, inverse_kernel's live rows per block): an expert's last block
+    // with at most kTailRows live rows, after a pair of its blocks, is computed by that pair's
+    // tiles and gets no unit of its own; and a pair's live rows are split evenly between its two
+    // CTAs (parts of at most kMaxRows rows, multiples of 8). Without: each CTA one block.
+    const bool fit = block_live != nullptr;
+    const auto live_rows = [&](int b) { return block_live[b]; };
+    const auto short_tail = [&](int b) { return block_live[b] <= gemm::kTailRows; };
     const bool alone = !same(mb + 1);
     const bool carries = fit && leads && !alone && same(mb + 2) && !same(mb + 3) && short_tail(mb + 2);
     const bool carried = fit && leads && alone && mb - run_start >= 2 && short_tail(mb);
@@ -337,7 +327,7 @@ size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
 // Workspace: h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 | counters, int32, zeroed per
 // call: the two GEMMs' tile counters, the scale window's misfit flag (MXFP8), then h_done per
-// m-block (gemm::HandOff) | CTA pairs: units (int2, one per m-block at most), their count
+// m-block (gemm::HandOff), then block_live per m-block (inverse_kernel) | CTA pairs: units (int2, one per m-block at most), their count
 // (pair_units_kernel) | MXFP8 only: x as bf16 or f16 (M, K), the scale window's top bytes per
 // weight row (E * 2I) and per token (M).
 constexpr int kTileCounterInts = 2;
@@ -348,6 +338,7 @@ struct Workspace {
   int32_t* inv;
   int32_t* tile_counters;
   int32_t* h_done;
+  int32_t* block_live;
   int2* units;
   int32_t* num_units;
   void* x16 = nullptr;
@@ -357,7 +348,7 @@ struct Workspace {
   int64_t n_slots;
   int64_t counter_ints;
   static int64_t blocks(int64_t L) { return (L + gemm::kBM - 1) / gemm::kBM; }
-  static int64_t counters(int64_t L) { return kCounterHeaderInts + blocks(L); }
+  static int64_t counters(int64_t L) { return kCounterHeaderInts + 2 * blocks(L); }
   // mx_w_rows: the MXFP8 op's weight rows E * 2I; 0 for the bf16 op (no MXFP8 regions).
   static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, int64_t mx_w_rows) {
     size_t b = align256((size_t)L * I * 2) + align256((size_t)L * K * 2) + align256((size_t)M * top_k * 4) +
@@ -377,6 +368,7 @@ struct Workspace {
     tile_counters = reinterpret_cast<int32_t*>(p);
     window_misfit = reinterpret_cast<uint32_t*>(tile_counters + kTileCounterInts);
     h_done = tile_counters + kCounterHeaderInts;
+    block_live = h_done + blocks(L);
     p += align256((size_t)counter_ints * 4);
     units = reinterpret_cast<int2*>(p);
     num_units = reinterpret_cast<int32_t*>(units + blocks(L));
@@ -433,24 +425,26 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p2.b_rows = (int)K;
 }
 
-// Before the GEMMs (it reads only the routing): the sorted position of every slot.
+// Before the GEMMs (it reads only the routing): the sorted position of every slot, and each
+// m-block's live rows.
 cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp,
                            const Workspace& ws, int64_t E, int64_t L, cudaStream_t stream) {
   if (L == 0) return cudaSuccess;
   const int ib = 256;
   int ig = (int)((L + ib - 1) / ib);
   if (ig > 4 * sm_count()) ig = 4 * sm_count();
-  inverse_kernel<<<ig, ib, 0, stream>>>(sorted_ids, expert_ids, ntpp, (int)L, (int)ws.n_slots, (int)E, ws.inv);
+  inverse_kernel<<<ig, ib, 0, stream>>>(sorted_ids, expert_ids, ntpp, (int)L, (int)ws.n_slots, (int)E, ws.inv,
+                                        ws.block_live);
   return cudaGetLastError();
 }
 
-// bpc = 2: the CTA pairs' units (they read only the routing).
-// fit_sorted_ids (the bf16 op, whose consumers fit wgmma's N to the rows): split each pair's
-// rows evenly and carry short tails, see pair_units_kernel; nullptr (MXFP8): a block per CTA.
+// bpc = 2, after slot_positions: the CTA pairs' units (they read only the routing). fit (the
+// bf16 op, whose consumers fit wgmma's N to the rows): split each pair's rows evenly and carry
+// short tails, see pair_units_kernel; else (MXFP8) a block per CTA.
 cudaError_t pair_units(const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws, int64_t E, int64_t L,
-                       GemmParams& p1, GemmParams& p2, cudaStream_t stream, const int32_t* fit_sorted_ids) {
+                       GemmParams& p1, GemmParams& p2, cudaStream_t stream, bool fit) {
   pair_units_kernel<<<1, kUnitThreads, 0, stream>>>(expert_ids, ntpp, (int)L, (int)E, ws.units, ws.num_units,
-                                                    fit_sorted_ids, (int)ws.n_slots);
+                                                    fit ? ws.block_live : nullptr);
   p1.units = p2.units = ws.units;
   p1.num_units = p2.num_units = ws.num_units;
   return cudaGetLastError();
@@ -506,7 +500,7 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     };
     // CTA pairs split their experts' rows evenly and carry short tails (pair_units_kernel reads
     // sorted_ids for that).
-    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, a.sorted_ids);
+    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, true);
     if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
     if (err != cudaSuccess) return err;
   }
@@ -549,7 +543,7 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
     p2.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * a.K);
-    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, nullptr);
+    if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, false);
     if (err == cudaSuccess)
       err = a.bpc == 2 ? launch_mxfp8_gemms<true>(tm_w, tm_h, tm_w2, p1, p2, stream)
                        : launch_mxfp8_gemms<false>(tm_w, tm_h, tm_w2, p1, p2, stream);
