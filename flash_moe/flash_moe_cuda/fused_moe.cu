@@ -42,14 +42,14 @@ __global__ void inverse_kernel(const int32_t* __restrict__ sorted_ids, const int
                                int32_t* __restrict__ inv, int32_t* __restrict__ block_live) {
   int ntpp = *ntpp_ptr;
   ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
-  const auto live = [&](int sid) { return sid >= 0 && sid < n_slots; };
   for (int pos = blockIdx.x * blockDim.x + threadIdx.x; pos < ntpp; pos += gridDim.x * blockDim.x) {
     const int sid = sorted_ids[pos];
     const int e = expert_ids[pos / kBlockM];
-    if (!live(sid) || e < 0 || e >= E) continue;
+    if (!gemm::live_slot(sid, n_slots) || e < 0 || e >= E) continue;
     inv[sid] = pos;
     const int r = pos % kBlockM;
-    if (r == kBlockM - 1 || pos + 1 >= ntpp || !live(sorted_ids[pos + 1])) block_live[pos / kBlockM] = r + 1;
+    if (r == kBlockM - 1 || pos + 1 >= ntpp || !gemm::live_slot(sorted_ids[pos + 1], n_slots))
+      block_live[pos / kBlockM] = r + 1;
   }
 }
 
@@ -327,9 +327,9 @@ size_t align256(size_t v) { return (v + 255) / 256 * 256; }
 
 // Workspace: h (L, I) bf16 | Y (L, K) bf16 | inv (M*top_k) int32 | counters, int32, zeroed per
 // call: the two GEMMs' tile counters, the scale window's misfit flag (MXFP8), then h_done per
-// m-block (gemm::HandOff), then block_live per m-block (inverse_kernel) | CTA pairs: units (int2, one per m-block at most), their count
-// (pair_units_kernel) | MXFP8 only: x as bf16 or f16 (M, K), the scale window's top bytes per
-// weight row (E * 2I) and per token (M).
+// m-block (gemm::HandOff), then block_live per m-block (inverse_kernel) | CTA pairs: units
+// (int2, one per m-block at most), their count (pair_units_kernel) | MXFP8 only: x as bf16 or
+// f16 (M, K), the scale window's top bytes per weight row (E * 2I) and per token (M).
 constexpr int kTileCounterInts = 2;
 constexpr int kCounterHeaderInts = kTileCounterInts + 1;  // + the misfit flag
 struct Workspace {
@@ -499,7 +499,7 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
                            : launch_gemms<kBf16, 3, kPaired>(tm, p1, p2, stream);
     };
     // CTA pairs split their experts' rows evenly and carry short tails (pair_units_kernel reads
-    // sorted_ids for that).
+    // inverse_kernel's live rows per block for that).
     if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, true);
     if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
     if (err != cudaSuccess) return err;

@@ -18,8 +18,9 @@
 // Both formats put the weights on wgmma's M side and the tokens on N: tiles of 128 tokens x
 // 256 weight rows (128 gate + 128 up rows, or 256 output features) x 64. bf16
 // (moe_gemm_kernel<Weights::kBf16>): both operands from shared memory, wgmma's N fitted to a
-// tile's live tokens (up to 144 for a CTA pair's part of an expert's rows). MXFP8 (Weights::kMxfp8): the e4m3 weights are
-// dequantized in registers into wgmma's register operand.
+// tile's live tokens (up to 144 for a CTA pair's part of an expert's rows). MXFP8
+// (Weights::kMxfp8): the e4m3 weights are dequantized in registers into wgmma's register
+// operand.
 // One producer warpgroup and two consumer warpgroups share a kStages-deep ring of shared-memory
 // stages guarded by mbarriers.
 #pragma once

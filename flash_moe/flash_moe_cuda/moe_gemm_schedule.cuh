@@ -59,7 +59,9 @@ struct GemmParams {
 };
 
 // A sorted id that names a routing slot; anything else (the padding sentinel n_slots, or a
-// corrupted value) is padding: no token read, zero router weight.
+// corrupted value) is padding: no token read, zero router weight. (The GemmParams form spells
+// the test out: forwarding p.n_slots to the int form changed the GEMM kernels' PTX.)
+__device__ __forceinline__ bool live_slot(int sid, int n_slots) { return sid >= 0 && sid < n_slots; }
 __device__ __forceinline__ bool live_slot(const GemmParams& p, int sid) { return sid >= 0 && sid < p.n_slots; }
 
 // ---------------------------------------------------------------- scheduler

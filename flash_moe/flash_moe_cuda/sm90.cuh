@@ -235,27 +235,8 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
-// The accumulator operands of the wgmma wrappers below (d[0..63] or d[0..31]) and their
-// register lists in the instruction text.
-#define FM_WGMMA_ACC64 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-#define FM_WGMMA_ACC32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FM_WGMMA_REGS64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define FM_WGMMA_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-
-// D(64x128, fp32) (+)= A(64x16, bf16, smem) * B(128x16, bf16, smem)^T; scale_d = 0 overwrites D.
-// (The fp8 promotion microbenchmark's bf16 loop; the GEMMs use wgmma_ss_bf16.)
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FM_WGMMA_REGS64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : FM_WGMMA_ACC64
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D(64 x kN, fp32) (+)= A(64x16, bf16, smem) * B(kN x 16, bf16, smem)^T for kN = 8, 16, .., 144:
-// the first kN / 2 registers of d, in the m64n128 layout extended by column groups (j = 0 ..
-// kN/8 - 1). Every wrapper lists all 72 registers as operands (the instruction names only the
-// first kN / 2), so one operand numbering serves every N: desc_a %72, desc_b %73, scale_d %74.
+// The wgmma wrappers' operands: FM_RLn, the register list "%0, .., %(n-1)" of the instruction
+// text; FM_WGMMA_ACCn, the n accumulator operands d[0..n-1] behind it.
 #define FM_RL4 "%0, %1, %2, %3"
 #define FM_RL8 FM_RL4 ", %4, %5, %6, %7"
 #define FM_RL12 FM_RL8 ", %8, %9, %10, %11"
@@ -274,12 +255,29 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
 #define FM_RL64 FM_RL60 ", %60, %61, %62, %63"
 #define FM_RL68 FM_RL64 ", %64, %65, %66, %67"
 #define FM_RL72 FM_RL68 ", %68, %69, %70, %71"
+#define FM_WGMMA_ACC32 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FM_WGMMA_ACC64 FM_WGMMA_ACC32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define FM_WGMMA_ACC72 FM_WGMMA_ACC64, "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
+
+// D(64x128, fp32) (+)= A(64x16, bf16, smem) * B(128x16, bf16, smem)^T; scale_d = 0 overwrites D.
+// (The fp8 promotion microbenchmark's bf16 loop; the GEMMs use wgmma_ss_bf16.)
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" FM_RL64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : FM_WGMMA_ACC64
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// D(64 x kN, fp32) (+)= A(64x16, bf16, smem) * B(kN x 16, bf16, smem)^T for kN = 8, 16, .., 144:
+// the first kN / 2 registers of d, in the m64n128 layout extended by column groups (j = 0 ..
+// kN/8 - 1). Every wrapper lists all 72 registers as operands (the instruction names only the
+// first kN / 2), so one operand numbering serves every N: desc_a %72, desc_b %73, scale_d %74.
 #define FM_WGMMA_SS(N, REGS)                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"                                      \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, %72, %73, p, 1, 1, 0, 0;\n}\n" \
                : FM_WGMMA_ACC72                                                                     \
                : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-#define FM_WGMMA_ACC72 "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
 template <int kN>
 __device__ __forceinline__ void wgmma_ss_bf16(float (&d)[72], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(kN % 8 == 0 && kN >= 8 && kN <= 144, "wgmma_ss_bf16: N = 8, 16, .., 144");
@@ -321,25 +319,6 @@ __device__ __forceinline__ void wgmma_ss_bf16(float (&d)[72], uint64_t desc_a, u
     FM_WGMMA_SS(144, FM_RL72);
 }
 #undef FM_WGMMA_SS
-#undef FM_WGMMA_ACC72
-#undef FM_RL4
-#undef FM_RL8
-#undef FM_RL12
-#undef FM_RL16
-#undef FM_RL20
-#undef FM_RL24
-#undef FM_RL28
-#undef FM_RL32
-#undef FM_RL36
-#undef FM_RL40
-#undef FM_RL44
-#undef FM_RL48
-#undef FM_RL52
-#undef FM_RL56
-#undef FM_RL60
-#undef FM_RL64
-#undef FM_RL68
-#undef FM_RL72
 
 // The operand type of the register-A wgmmas: bf16, or f16 (MXFP8 in the scale window, see
 // mx::f16x2_scale).
@@ -365,19 +344,36 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[kN / 2], const uint32_t (&a)
   static_assert(kN == 128 || kN == 64, "wgmma_rs: N is 128 or 64");
   constexpr bool kF16 = kT == RsType::kF16;
   if constexpr (kN == 128 && kF16)
-    FM_WGMMA_RS("m64n128k16", "f16", FM_WGMMA_REGS64, FM_WGMMA_ACC64, "%69", "{%64, %65, %66, %67}, %68");
+    FM_WGMMA_RS("m64n128k16", "f16", "{" FM_RL64 "}", FM_WGMMA_ACC64, "%69", "{%64, %65, %66, %67}, %68");
   else if constexpr (kN == 128)
-    FM_WGMMA_RS("m64n128k16", "bf16", FM_WGMMA_REGS64, FM_WGMMA_ACC64, "%69", "{%64, %65, %66, %67}, %68");
+    FM_WGMMA_RS("m64n128k16", "bf16", "{" FM_RL64 "}", FM_WGMMA_ACC64, "%69", "{%64, %65, %66, %67}, %68");
   else if constexpr (kF16)
-    FM_WGMMA_RS("m64n64k16", "f16", FM_WGMMA_REGS32, FM_WGMMA_ACC32, "%37", "{%32, %33, %34, %35}, %36");
+    FM_WGMMA_RS("m64n64k16", "f16", "{" FM_RL32 "}", FM_WGMMA_ACC32, "%37", "{%32, %33, %34, %35}, %36");
   else
-    FM_WGMMA_RS("m64n64k16", "bf16", FM_WGMMA_REGS32, FM_WGMMA_ACC32, "%37", "{%32, %33, %34, %35}, %36");
+    FM_WGMMA_RS("m64n64k16", "bf16", "{" FM_RL32 "}", FM_WGMMA_ACC32, "%37", "{%32, %33, %34, %35}, %36");
 }
 #undef FM_WGMMA_RS
-#undef FM_WGMMA_ACC64
 #undef FM_WGMMA_ACC32
-#undef FM_WGMMA_REGS64
-#undef FM_WGMMA_REGS32
+#undef FM_WGMMA_ACC64
+#undef FM_WGMMA_ACC72
+#undef FM_RL4
+#undef FM_RL8
+#undef FM_RL12
+#undef FM_RL16
+#undef FM_RL20
+#undef FM_RL24
+#undef FM_RL28
+#undef FM_RL32
+#undef FM_RL36
+#undef FM_RL40
+#undef FM_RL44
+#undef FM_RL48
+#undef FM_RL52
+#undef FM_RL56
+#undef FM_RL60
+#undef FM_RL64
+#undef FM_RL68
+#undef FM_RL72
 
 }  // namespace sm90
 }  // namespace flash_moe
