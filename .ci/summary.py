@@ -16,12 +16,18 @@ if junit.is_file():
 for results in sorted(out.glob("*/h200.json")):
     data = json.loads(results.read_text())
     ceil = data["ceilings"]
-    print(f"\n{results.parent.name}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    print(f"{'op':34} {'impl':21} {'shape':34} {'ms':>8} {'rate':>12} {'of ceiling':>10}")
+    def back_to_back(s):  # a `sustained` entry (flash_moe's compare.py): rate at the SM clock it held
+        return f"{s['tflops']:.0f} TF/s @ {s.get('sm_mhz', float('nan')):.0f} MHz" if s else ""
+
+    mm_b2b = ceil.get("bf16_matmul_sustained")
+    print(f"\n{results.parent.name}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+          + (f" (back to back: {back_to_back(mm_b2b)})" if mm_b2b else ""))
+    print(f"{'op':34} {'impl':21} {'shape':34} {'ms':>8} {'rate':>12} {'of ceiling':>10}  back to back")
     for row in data["rows"]:
         shape = ",".join(str(v) for v in row["shape"].values())
         if "GBps" in row:
             rate, frac = f"{row['GBps']:.0f} GB/s", row["GBps"] / ceil["copy_GBps"]
         else:
             rate, frac = f"{row['tflops']:.0f} TF/s", row["tflops"] / ceil["bf16_matmul_TFLOPs"]
-        print(f"{row['op']:34} {row['impl']:21} {shape:34} {row['ms']:8.3f} {rate:>12} {frac:10.0%}")
+        print(f"{row['op']:34} {row['impl']:21} {shape:34} {row['ms']:8.3f} {rate:>12} {frac:10.0%}  "
+              f"{back_to_back(row.get('sustained'))}")

@@ -27,8 +27,16 @@ the faster of each pair of timings kept (`op_alone_ms`, `op_alone_ms_by_bpc`).
 Per-kernel device times of our ops (torch.profiler over 5 calls) are printed and recorded as
 `kernels_ms` in their rows unless --no-profile.
 
+Sustained rates (unless --no-sustained): the matmul ceiling and our ops also run back to back for
+~1.5 s while nvidia-smi samples the SM clock, the board power and the sw_power_cap clock-event
+reason every 20 ms; recorded as `sustained` in the ceilings and in our rows ({ms, tflops, sm_mhz,
+power_w, power_capped: the fraction of samples in which nvidia-smi reports that reason active}).
+The DESIGN §9 timing above leaves ~2 ms idle before each call, which lets a short kernel run much
+of its time at boost clocks; back to back, as in a training step, the matmul and the large MoE
+shapes run at the H200's 700 W power limit, well below boost (NOTES.md, session 12).
+
 usage: python3 flash_moe/benchmarks/compare.py [--out DIR] [--iters 20] [--shapes 0,1,2,3,4] [--no-liger]
-       [--no-mxfp8] [--no-profile]
+       [--no-mxfp8] [--no-profile] [--no-sustained]
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 
@@ -88,7 +97,9 @@ def time_ms(fn, iters, warmup=3):
     return ts[len(ts) // 2]
 
 
-def ceilings(iters):
+def ceilings(iters, monitor=None):
+    """Copy GB/s and 8192^3 bf16 matmul TFLOP/s (DESIGN §9 timing), and the matmul back to back
+    (monitor.sustained) when a monitor is given (else None)."""
     n = 1 << 30  # 1 GiB
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -99,7 +110,67 @@ def ceilings(iters):
     b = torch.randn(8192, 8192, device="cuda").bfloat16()
     ms = time_ms(lambda i: a @ b, iters)
     mm = 2 * 8192 ** 3 / ms / 1e9
-    return copy, mm
+    sustained = monitor.sustained(lambda i: a @ b, 2 * 8192 ** 3) if monitor else None
+    return copy, mm, sustained
+
+
+class ClockMonitor:
+    """nvidia-smi sampling, every 20 ms, of the SM clock, the board power and whether the
+    power-cap clock-event reason is active. `sustained` marks windows of back-to-back work; `stop`
+    ends the sampling and fills each window's medians in. Inactive (no fields) where nvidia-smi
+    is missing or does not know a field."""
+
+    FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.sw_power_cap"
+
+    def __init__(self, path):
+        self.path, self.windows, self.proc = path, [], None
+        try:
+            self.file = open(path, "w")
+            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+                                          "-lms", "20"], stdout=self.file, stderr=subprocess.STDOUT)
+        except OSError as e:
+            print(f"no clock sampling: {e}")
+
+    def sustained(self, fn, flops, secs=1.5):
+        """fn(i) back to back for ~secs after a warm-up call: a dict {ms, tflops} that stop() completes
+        with the window's median SM clock, power and power-cap fraction."""
+        fn(0)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0, n = time.time(), 0
+        a.record()
+        while time.time() - t0 < secs:
+            for _ in range(4):
+                fn(n)
+                n += 1
+            torch.cuda.synchronize()
+        b.record()
+        b.synchronize()
+        ms = a.elapsed_time(b) / n
+        r = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+        self.windows.append((t0 + 0.3, time.time(), r))  # the first 0.3 s: clocks still settling
+        return r
+
+    def stop(self):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        self.proc.wait()
+        self.file.close()
+        samples = []
+        for line in open(self.path):
+            f = [c.strip() for c in line.split(",")]
+            try:
+                ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                samples.append((ts, float(f[1]), float(f[2]), f[3].lower() == "active"))
+            except (ValueError, IndexError):
+                continue
+        for t0, t1, r in self.windows:
+            sel = [smp for smp in samples if t0 <= smp[0] <= t1]
+            if sel:
+                r["sm_mhz"] = sorted(smp[1] for smp in sel)[len(sel) // 2]
+                r["power_w"] = round(sorted(smp[2] for smp in sel)[len(sel) // 2], 1)
+                r["power_capped"] = round(sum(smp[3] for smp in sel) / len(sel), 2)
 
 
 def sorted_gemm_inputs(x, ids, wg, wu, E):
@@ -256,7 +327,8 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
     print(f"{SHAPES[si]} mxfp8 op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
           f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
     row("prime-kernels", ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc], op_alone_ms_by_bpc=ms_by_bpc,
-        kernels_ms=profile_kernels(ours) if args.profile else None)
+        kernels_ms=profile_kernels(ours) if args.profile else None,
+        sustained=args.monitor.sustained(ours, flops) if getattr(args, "monitor", None) else None)
 
     try:
         def deq_unfused(i):
@@ -378,6 +450,15 @@ def print_table(rows):
         print(f"{r['op']:16s} {_shape_text(r):30s} {r['impl']:21s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
 
 
+def print_sustained(mm_sustained, rows):
+    print(f"\nback to back (sustained)  {'ms':>8s} {'TFLOP/s':>8s} {'SM MHz':>7s} {'W':>6s} {'capped':>6s}")
+    items = [("8192^3 bf16 matmul", mm_sustained)] + [
+        (f"{r['op'][10:]} {_moe_label(r)}", r["sustained"]) for r in rows if "sustained" in r]
+    for name, v in items:
+        print(f"{name:25s} {v['ms']:8.3f} {v['tflops']:8.1f} {v.get('sm_mhz', float('nan')):7.0f} "
+              f"{v.get('power_w', float('nan')):6.0f} {v.get('power_capped', float('nan')):6.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -391,6 +472,9 @@ def main():
                          "as kernels_ms in their rows (default: on)")
     ap.add_argument("--mxfp8", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the fused_moe_mxfp8 and quantize_mxfp8 rows (default: on)")
+    ap.add_argument("--sustained", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the matmul ceiling and our ops back to back with clock and power "
+                         "sampling, recorded as `sustained` (default: on)")
     args = ap.parse_args()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -412,8 +496,13 @@ def main():
     if mx_skip:
         print(f"mxfp8 rows skipped: {mx_skip}")
 
-    copy, mm = ceilings(args.iters)
-    print(f"ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s")
+    import tempfile
+
+    monitor = ClockMonitor(os.path.join(tempfile.mkdtemp(), "clocks.csv")) if args.sustained else None
+    args.monitor = monitor
+    copy, mm, mm_sustained = ceilings(args.iters, monitor)
+    print(f"ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s"
+          + (f" ({mm_sustained['tflops']:.0f} back to back)" if mm_sustained else ""))
     rows = []
     for si in [int(s) for s in args.shapes.split(",")]:
         T, K, I, E, top_k = SHAPES[si]
@@ -462,7 +551,8 @@ def main():
         print(f"{SHAPES[si]} op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
               f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
         moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc],
-                op_alone_ms_by_bpc=ms_by_bpc, kernels_ms=kernels)
+                op_alone_ms_by_bpc=ms_by_bpc, kernels_ms=kernels,
+                sustained=monitor.sustained(ours, flops) if monitor else None)
 
         try:
             wg = w[:, :I].transpose(1, 2)
@@ -520,9 +610,14 @@ def main():
             commit = ""
         if not re.fullmatch(r"[0-9a-f]{40}", commit or ""):
             commit = ""
+    ceil = {"copy_GBps": round(copy, 1), "bf16_matmul_TFLOPs": round(mm, 1)}
+    if monitor:
+        monitor.stop()
+        ceil["bf16_matmul_sustained"] = mm_sustained
+        print_sustained(mm_sustained, rows)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or "unknown",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "ceilings": {"copy_GBps": round(copy, 1), "bf16_matmul_TFLOPs": round(mm, 1)}, "rows": rows}
+              "ceilings": ceil, "rows": rows}
     (out_dir / "h200.json").write_text(json.dumps(result, indent=1))
     try:
         plot(rows, copy, mm, out_dir / "h200.png")
