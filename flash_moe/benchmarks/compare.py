@@ -396,7 +396,10 @@ def _moe_label(r):
     return f"{sh['tokens']},{sh['dim']},{sh['hidden']},{sh['experts']}"
 
 
-def plot(rows, copy, mm, path):
+def plot(rows, copy, mm, path, gpu="", mm_sustained=None):
+    """Bars of every MoE row's TFLOP/s (and quantize_mxfp8's GB/s) against the ceilings; where a row
+    has a `sustained` rate, a black tick marks it on its bar, with the back-to-back matmul as a
+    dotted line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -420,13 +423,22 @@ def plot(rows, copy, mm, path):
         for lab in labels:
             v = [r["tflops"] for r in moe if r["op"] == op and r["impl"] == impl and _moe_label(r) == lab]
             vals.append(v[0] if v else 0)
-        ax.bar([i + width * j for i in range(len(labels))], vals, width=width,
+        xs = [i + width * j for i in range(len(labels))]
+        ax.bar(xs, vals, width=width,
                label=f"{'mxfp8' if op.endswith('mxfp8') else 'bf16'} {impl}", hatch="//" if "mxfp8" in op else None)
+        for x, lab in zip(xs, labels):
+            sus = [r["sustained"]["tflops"] for r in moe
+                   if r["op"] == op and r["impl"] == impl and _moe_label(r) == lab and "sustained" in r]
+            if sus:
+                ax.plot([x - width / 2, x + width / 2], [sus[0], sus[0]], color="k", lw=2)
     ax.axhline(mm, color="k", ls="--", lw=1, label=f"8192^3 bf16 matmul {mm:.0f}")
+    if mm_sustained:
+        ax.axhline(mm_sustained["tflops"], color="k", ls=":", lw=1,
+                   label=f"matmul back to back {mm_sustained['tflops']:.0f} (black ticks: ours back to back)")
     ax.set_ylim(0, mm * 1.35)  # room for the legend above the ceiling line
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=8)
     ax.set_ylabel("TFLOP/s (6*T*k*K*I)")
-    ax.set_title(f"fused MoE forward, bf16 and MXFP8 inputs, {torch.cuda.get_device_name()}")
+    ax.set_title(f"fused MoE forward, bf16 and MXFP8 inputs, {gpu}")
     ax.legend(fontsize=7, ncol=2)
     if quant:
         axq.bar(range(len(quant)), [r["GBps"] for r in quant], color="tab:purple")
@@ -620,7 +632,7 @@ def main():
               "ceilings": ceil, "rows": rows}
     (out_dir / "h200.json").write_text(json.dumps(result, indent=1))
     try:
-        plot(rows, copy, mm, out_dir / "h200.png")
+        plot(rows, copy, mm, out_dir / "h200.png", result["gpu"], ceil.get("bf16_matmul_sustained"))
     except Exception as e:  # noqa: BLE001
         print(f"no plot: {e}")
     print_table(rows)
