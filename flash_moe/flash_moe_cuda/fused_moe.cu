@@ -177,8 +177,10 @@ EncodeTiledFn get_encode_fn() {
 
 // A K-major operand: innermost dim first; box {64 elements, 128 rows, 1...}; out-of-bounds
 // elements read as zeros. bf16 boxes (128-byte rows) use the 128-byte swizzle wgmma reads;
-// e4m3 boxes (64-byte rows) the 64-byte swizzle, so the dequantizing threads read them
-// without bank conflicts.
+// e4m3 boxes (64-byte rows) the 64-byte swizzle. (The dequantizing threads' 16-byte loads of
+// e4m3 rows still take two wavefronts each: a quarter-warp's two row groups share a 64-byte
+// bank half. A row order without that conflict measured no faster: flash_moe/NOTES.md,
+// session 12.)
 struct Operand {
   const void* ptr;
   int rank;
