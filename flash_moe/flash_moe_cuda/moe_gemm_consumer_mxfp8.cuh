@@ -192,9 +192,13 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
 
     // ---------------------------------------------------------- epilogue (transposed tiles)
     // Thread holds rows r0 = 16 w4 + l/4 and r0 + 8 (one bf16 pair of output columns) for
-    // tokens 8j + 2(l%4) + {0, 1}, j = 0..15.
+    // tokens 8j + 2(l%4) + {0, 1}, j = 0..15: two output-row pointers (tokens 2(l%4) + e) that
+    // step 8 rows per j, and the tile's per-token factors read from shared memory.
     const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
     float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kBM;
+    const uint32_t wt_s = sbase + Plan::kWtOffset + cw * kBM * 4 + 8 * cq;  // + 4e + 32j: token 8j + 2cq + e
+    __nv_bfloat16* const rows0 = p.out + (int64_t)(tile.m0 + 2 * cq) * p.ldo;
+    const int64_t row_step = 8 * p.ldo;
     if (kKind == Kind::kGateUp) {
       handoff.flush<false>(p, 2 + cw);
       handoff.pending = tile.group;
@@ -218,19 +222,19 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       }
       const int col = n0 + 64 * cw + pc;  // physical h column (K-permuted for the down GEMM)
       if (n0 + 64 * cw < p.n_out) {
+        __nv_bfloat16* out = rows0 + col;
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
+        for (int j = 0; j < 16; ++j, out += row_step)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int tl = 8 * j + 2 * cq + e, tok = tile.m0 + tl;
             float g0 = acc0[4 * j + e], g1 = acc0[4 * j + 2 + e];
             float u0 = acc1[4 * j + e], u1 = acc1[4 * j + 2 + e];
             if constexpr (kT == RsType::kF16) {
-              const float fx = wt[tl];
+              const float fx = ld_shared_f32(wt_s + 4 * e + 32 * j);
               g0 = g0 * fw[0][0] * fx, g1 = g1 * fw[0][1] * fx;
               u0 = u0 * fw[1][0] * fx, u1 = u1 * fw[1][1] * fx;
             }
-            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)tok * p.ldo + col) =
+            *reinterpret_cast<__nv_bfloat162*>(out + e * p.ldo) =
                 __floats2bfloat162_rn(silu_times(g0, u0), silu_times(g1, u1));
           }
       }
@@ -247,14 +251,14 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const int col = n0 + 128 * cw + 64 * b + pc;  // output feature
         if (col >= p.n_out) continue;
         const float(&acc)[64] = b ? acc1 : acc0;
+        __nv_bfloat16* out = rows0 + col;
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
+        for (int j = 0; j < 16; ++j, out += row_step)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             if (half && j >= 8) continue;
-            const int tl = 8 * j + 2 * cq + e;
-            const float wv = wt[tl];
-            *reinterpret_cast<__nv_bfloat162*>(p.out + (int64_t)(tile.m0 + tl) * p.ldo + col) =
+            const float wv = ld_shared_f32(wt_s + 4 * e + 32 * j);
+            *reinterpret_cast<__nv_bfloat162*>(out + e * p.ldo) =
                 __floats2bfloat162_rn(acc[4 * j + e] * wv, acc[4 * j + 2 + e] * wv);
           }
       }

@@ -18,7 +18,13 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
 // silu(g) * u in fp32 with the fast reciprocal (rcp.approx, within 1 ulp of fp32; the result
 // is rounded to bf16): the epilogue runs while the tensor cores wait, and the IEEE division
 // made it measurably longer (-4 to -8 % for the whole op at the issue shapes, device run 6).
-__device__ __forceinline__ float silu_times(float g, float u) { return __fdividef(g, 1.f + __expf(-g)) * u; }
+// e^-g is __expf's ex2.approx of -g log2(e), flushing results below 2^-126 to zero: 1 + e^-g is
+// 1 for those either way, so this is __expf's result bit for bit, without its subnormal fix-up.
+__device__ __forceinline__ float silu_times(float g, float u) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-g * 1.4426950408889634f));
+  return __fdividef(g, 1.f + e) * u;
+}
 
 // The consumers' tiles (weights as M, tokens as N; moe_gemm_consumer.cuh): thread
 // (w4, lane) holds features 16 w4 + lane/4 + 8h of a 64-feature block for tokens

@@ -120,6 +120,11 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
 // Four 8x8 b16 matrices from the mma accumulator layout (thread l: row l/4, columns 2(l%4),
 // +1 in r[i] for matrix i), stored transposed: lane l gives the address of row l%8 of matrix
 // l/8, and that smem row receives column l%8 of the matrix (8 b16, 16 bytes).
