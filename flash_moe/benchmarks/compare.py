@@ -157,20 +157,35 @@ class ClockMonitor:
         self.proc.terminate()
         self.proc.wait()
         self.file.close()
-        samples = []
-        for line in open(self.path):
-            f = [c.strip() for c in line.split(",")]
-            try:
-                ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                samples.append((ts, float(f[1]), float(f[2]), f[3].lower() == "active"))
-            except (ValueError, IndexError):
-                continue
+        with open(self.path) as f:
+            samples = parse_clock_samples(f)
         for t0, t1, r in self.windows:
-            sel = [smp for smp in samples if t0 <= smp[0] <= t1]
-            if sel:
-                r["sm_mhz"] = sorted(smp[1] for smp in sel)[len(sel) // 2]
-                r["power_w"] = round(sorted(smp[2] for smp in sel)[len(sel) // 2], 1)
-                r["power_capped"] = round(sum(smp[3] for smp in sel) / len(sel), 2)
+            r.update(window_stats(samples, t0, t1))
+
+
+def parse_clock_samples(lines):
+    """(time, SM MHz, watts, power cap reported) per line of ClockMonitor.FIELDS in nvidia-smi's
+    `csv,noheader,nounits` form; lines that are not samples (errors, a cut last line) are skipped."""
+    samples = []
+    for line in lines:
+        f = [c.strip() for c in line.split(",")]
+        try:
+            ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((ts, float(f[1]), float(f[2]), f[3].lower() == "active"))
+        except (ValueError, IndexError):
+            continue
+    return samples
+
+
+def window_stats(samples, t0, t1):
+    """Median SM clock and power, and the fraction of samples reporting the power cap, over the
+    samples in [t0, t1]; {} when there are none."""
+    sel = [smp for smp in samples if t0 <= smp[0] <= t1]
+    if not sel:
+        return {}
+    return {"sm_mhz": sorted(smp[1] for smp in sel)[len(sel) // 2],
+            "power_w": round(sorted(smp[2] for smp in sel)[len(sel) // 2], 1),
+            "power_capped": round(sum(smp[3] for smp in sel) / len(sel), 2)}
 
 
 def sorted_gemm_inputs(x, ids, wg, wu, E):

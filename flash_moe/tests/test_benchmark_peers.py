@@ -1,5 +1,6 @@
-"""CPU tests of the side-by-side benchmark's peers (benchmarks/compare.py): they compute what their
-rows claim, so a peer's time is the time of that computation."""
+"""CPU tests of the side-by-side benchmark (benchmarks/compare.py): its peers compute what their
+rows claim, so a peer's time is the time of that computation; its kernel labels and its
+back-to-back rows' clock fields are what they say."""
 
 import importlib.util
 import pathlib
@@ -60,3 +61,21 @@ def test_kernel_labels_name_the_gemm_roles(compare):
     assert compare.kernel_label(mangled.format(w=2, k=0)) == "gemm mxfp8-f16 gate/up"
     assert compare.kernel_label(mangled.format(w=7, k=0)) == "gemm weights7 gate/up"  # a new one: no crash
     assert compare.kernel_label("void flash_moe::(anonymous namespace)::reduce_kernel(int const*)") == "reduce_kernel"
+
+
+def test_clock_samples_give_each_window_its_medians(compare):
+    """The back-to-back rows' clock, power and power-cap fields: nvidia-smi's csv lines parsed
+    (an error line and a line cut at the stop skipped), and only the samples inside a window
+    counted."""
+    lines = ["2026/11/30 03:40:01.000, 1500, 690.5, Active",
+             "2026/11/30 03:40:01.020, 1300, 700.0, Active",
+             "2026/11/30 03:40:01.040, 1400, 680.0, Not Active",
+             "Field \"clocks_event_reasons.sw_power_cap\" is not a valid field to query.",
+             "2026/11/30 03:40:05.000, 1980, 80.0, Not Active",
+             "2026/11/30 03:40:05.0"]
+    samples = compare.parse_clock_samples(lines)
+    assert [s[1] for s in samples] == [1500, 1300, 1400, 1980]
+    t0 = samples[0][0]
+    stats = compare.window_stats(samples, t0, t0 + 0.05)
+    assert stats == {"sm_mhz": 1400, "power_w": 690.5, "power_capped": 0.67}
+    assert compare.window_stats(samples, t0 + 1, t0 + 2) == {}
