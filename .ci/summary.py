@@ -13,12 +13,15 @@ if junit.is_file():
     total, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
     print(f"\ntests: {total - failures - errors - skipped} passed, {failures + errors} failed, {skipped} skipped")
 
+
+def back_to_back(s):
+    """A `sustained` entry (flash_moe's compare.py): the back-to-back rate at the SM clock it held."""
+    return f"{s['tflops']:.0f} TF/s @ {s.get('sm_mhz', float('nan')):.0f} MHz" if s else ""
+
+
 for results in sorted(out.glob("*/h200.json")):
     data = json.loads(results.read_text())
     ceil = data["ceilings"]
-    def back_to_back(s):  # a `sustained` entry (flash_moe's compare.py): rate at the SM clock it held
-        return f"{s['tflops']:.0f} TF/s @ {s.get('sm_mhz', float('nan')):.0f} MHz" if s else ""
-
     mm_b2b = ceil.get("bf16_matmul_sustained")
     print(f"\n{results.parent.name}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
           + (f" (back to back: {back_to_back(mm_b2b)})" if mm_b2b else ""))

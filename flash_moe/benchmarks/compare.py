@@ -49,6 +49,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
@@ -124,11 +125,12 @@ class ClockMonitor:
 
     def __init__(self, path):
         self.path, self.windows, self.proc = path, [], None
+        self.file = open(path, "w")
         try:
-            self.file = open(path, "w")
             self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
                                           "-lms", "20"], stdout=self.file, stderr=subprocess.STDOUT)
         except OSError as e:
+            self.file.close()
             print(f"no clock sampling: {e}")
 
     def sustained(self, fn, flops, secs=1.5):
@@ -293,7 +295,7 @@ def moe_row(rows, op, impl, si, ms, err, **extra):
     print(f"{SHAPES[si]} {op} {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s){err_text}{floor}", flush=True)
 
 
-def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
+def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=None):
     """fused_moe_mxfp8 and its two dequantize-first peers on one shape (inputs quantized from the bf16
     originals `w`, `w2`, `sets`; `rel` measures against the fp32 truth of those originals)."""
     T, K, I, E, top_k = SHAPES[si]
@@ -343,7 +345,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows):
           f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
     row("prime-kernels", ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc], op_alone_ms_by_bpc=ms_by_bpc,
         kernels_ms=profile_kernels(ours) if args.profile else None,
-        sustained=args.monitor.sustained(ours, flops) if getattr(args, "monitor", None) else None)
+        sustained=monitor.sustained(ours, flops) if monitor else None)
 
     try:
         def deq_unfused(i):
@@ -523,10 +525,7 @@ def main():
     if mx_skip:
         print(f"mxfp8 rows skipped: {mx_skip}")
 
-    import tempfile
-
     monitor = ClockMonitor(os.path.join(tempfile.mkdtemp(), "clocks.csv")) if args.sustained else None
-    args.monitor = monitor
     copy, mm, mm_sustained = ceilings(args.iters, monitor)
     print(f"ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s"
           + (f" ({mm_sustained['tflops']:.0f} back to back)" if mm_sustained else ""))
@@ -618,7 +617,7 @@ def main():
                 print(f"liger failed on {SHAPES[si]}: {e}")
         del aligned
         if mx_skip is None:
-            mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows)
+            mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor)
         del w, w2, sets, outs, truth
         torch.cuda.empty_cache()
 
