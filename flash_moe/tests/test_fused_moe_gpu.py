@@ -127,11 +127,12 @@ def test_fused_bit_identical_repeats(kernel):
 
 
 # CTA pairs (bpc = 2) compute every output element with the same k order as single CTAs (how a
-# pair splits an expert's rows only changes the wgmma's N), so the outputs must be bit-identical. The shapes cover pairs and lone blocks
-# (odd and even block counts per expert), odd n-block counts in either GEMM (I = 384, 640:
-# 3 and 5 gate/up n-blocks; K = 640: 3 down n-blocks; an idle CTA in the lone block's last
-# claim; a three-block run per expert with odd n-block counts in both GEMMs), one expert
-# holding every token, E = 256, dropped slots and M = 1.
+# pair splits an expert's rows only changes the wgmma's N), so the outputs must be
+# bit-identical. The shapes cover pairs and lone blocks (odd and even block counts per expert),
+# odd n-block counts in either GEMM (I = 384, 640: 3 and 5 gate/up n-blocks; K = 640: 3 down
+# n-blocks; an idle CTA in the lone block's last claim; a three-block run per expert with odd
+# n-block counts in both GEMMs), one expert holding every token, E = 256, dropped slots and
+# M = 1.
 PAIR_CASES = [
     # M, K, I, E, top_k, drop, one_expert, stages
     (1, 256, 128, 4, 1, 0.0, None, 4),
