@@ -83,7 +83,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
   constexpr int kExtra = kMaxRows - kBM;
   const ConsumerThread me;
   const int cw = me.cw, w4 = me.w4, lane = me.lane, q = threadIdx.x & 127;
-  float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kMaxRows;  // down: router weights
+  const uint32_t wt = sbase + Plan::kWtOffset + cw * kMaxRows * 4;  // down: the tile's router weights, one float per token
   float acc0[kMaxRows / 2], acc1[kMaxRows / 2];
   zero_fill(acc0);
   zero_fill(acc1);
@@ -158,8 +158,8 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
     with_tokens(n, mainloop);
 
     if (kKind == Kind::kDown) {  // every thread is past the previous tile's epilogue (the popc barrier)
-      wt[q] = wq;
-      if (q < kExtra) wt[kBM + q] = wx;
+      st_shared_f32(wt + 4 * q, wq);
+      if (q < kExtra) st_shared_f32(wt + 4 * (kBM + q), wx);
       named_barrier_sync(4 + cw, 128);
     }
     // Accumulator a = 4j + 2h + e: feature row 16 w4 + lane/4 + 8h, token 8j + 2(lane%4) + e.
@@ -168,7 +168,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
       if constexpr (kKind == Kind::kGateUp)
         return silu_times(acc0[a], acc1[a]);
       else
-        return (block ? acc1[a] : acc0[a]) * wt[token(a)];
+        return (block ? acc1[a] : acc0[a]) * ld_shared_f32(wt + 4 * token(a));
     };
     if (kKind == Kind::kGateUp) {
       handoff.flush<true>(p, 2 + cw);

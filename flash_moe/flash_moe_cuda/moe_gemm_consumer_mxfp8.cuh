@@ -195,8 +195,8 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // tokens 8j + 2(l%4) + {0, 1}, j = 0..15: two output-row pointers (tokens 2(l%4) + e) that
     // step 8 rows per j, and the tile's per-token factors read from shared memory.
     const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
-    float* wt = reinterpret_cast<float*>(smem_generic(sbase + Plan::kWtOffset)) + cw * kBM;
-    const uint32_t wt_s = sbase + Plan::kWtOffset + cw * kBM * 4 + 8 * cq;  // + 4e + 32j: token 8j + 2cq + e
+    const uint32_t wt = sbase + Plan::kWtOffset + cw * kBM * 4;  // the tile's per-token factors, one float per token
+    const uint32_t wt_s = wt + 8 * cq;  // + 4e + 32j: token 8j + 2cq + e
     __nv_bfloat16* const rows0 = p.out + (int64_t)(tile.m0 + 2 * cq) * p.ldo;
     const int64_t row_step = 8 * p.ldo;
     if (kKind == Kind::kGateUp) {
@@ -212,7 +212,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         named_barrier_sync(2 + cw, 128);
         {
           const int sid = p.sorted_ids[tile.m0 + q];
-          wt[q] = live_slot(p, sid) ? mx::window_factor(p.x_top[sid / p.top_k]) : 1.f;
+          st_shared_f32(wt + 4 * q, live_slot(p, sid) ? mx::window_factor(p.x_top[sid / p.top_k]) : 1.f);
         }
 #pragma unroll
         for (int b = 0; b < 2; ++b)
@@ -243,7 +243,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
       {
         const int sid = p.sorted_ids[tile.m0 + q];
-        wt[q] = live_slot(p, sid) ? p.topk_weights[sid] : 0.f;
+        st_shared_f32(wt + 4 * q, live_slot(p, sid) ? p.topk_weights[sid] : 0.f);
       }
       named_barrier_sync(2 + cw, 128);
 #pragma unroll
