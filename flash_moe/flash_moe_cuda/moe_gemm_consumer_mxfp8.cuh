@@ -78,6 +78,20 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // 64..127 of such a block (written from stale accumulators) are never read, and it stores
     // only the first 64 rows of Y.
     const bool half = !live_slot(p, p.sorted_ids[tile.m0 + 64]);
+    // The tile's per-token factors, one float per token (wt): the down GEMM's router weights
+    // are copied there now, by cp.async, so the two dependent global loads land during the
+    // mainloop instead of between it and the epilogue, where both warpgroups wait together
+    // (down GEMM -5 %, session 13). The f16 gate/up path's window factors are written in its
+    // epilogue: the same copy at its tile start measured +1 to +2 % on that kernel. (The bf16
+    // consumer keeps its router weights in registers; this kernel has none to spare.)
+    const uint32_t wt = sbase + Plan::kWtOffset + cw * kBM * 4;
+    if constexpr (kKind == Kind::kDown) {
+      const int q = threadIdx.x & 127;
+      const int sid = p.sorted_ids[tile.m0 + q];
+      const bool live = live_slot(p, sid);
+      named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
+      cp_async_4(wt + 4 * q, p.topk_weights + (live ? sid : 0), live ? 4u : 0u);  // padding: 0
+    }
     // per (block, half): row in the 256-row e4m3 tile, its box, validity, scale location
     // A thread's e4m3 chunk of block 1 sits a fixed distance after block 0's (the other box,
     // or 64 rows further in the same box, same swizzle phase): one offset per half.
@@ -195,8 +209,11 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // tokens 8j + 2(l%4) + {0, 1}, j = 0..15: two output-row pointers (tokens 2(l%4) + e) that
     // step 8 rows per j, and the tile's per-token factors read from shared memory.
     const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
-    const uint32_t wt = sbase + Plan::kWtOffset + cw * kBM * 4;  // the tile's per-token factors, one float per token
     const uint32_t wt_s = wt + 8 * cq;  // + 4e + 32j: token 8j + 2cq + e
+    if constexpr (kKind == Kind::kDown) {  // every thread's router weight has landed
+      cp_async_wait_all();
+      named_barrier_sync(2 + cw, 128);
+    }
     __nv_bfloat16* const rows0 = p.out + (int64_t)(tile.m0 + 2 * cq) * p.ldo;
     const int64_t row_step = 8 * p.ldo;
     if (kKind == Kind::kGateUp) {
@@ -239,28 +256,23 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
           }
       }
     } else {
-      const int q = threadIdx.x & 127;
-      named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
-      {
-        const int sid = p.sorted_ids[tile.m0 + q];
-        st_shared_f32(wt + 4 * q, live_slot(p, sid) ? p.topk_weights[sid] : 0.f);
-      }
-      named_barrier_sync(2 + cw, 128);
+      // Output features col0 (block 0) and col0 + 64 (block 1): one factor load for both.
+      const int col0 = n0 + 128 * cw + pc;
+      const bool store0 = col0 < p.n_out, store1 = col0 + 64 < p.n_out;
+      __nv_bfloat16* out = rows0 + col0;
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {
-        const int col = n0 + 128 * cw + 64 * b + pc;  // output feature
-        if (col >= p.n_out) continue;
-        const float(&acc)[64] = b ? acc1 : acc0;
-        __nv_bfloat16* out = rows0 + col;
+      for (int j = 0; j < 16; ++j, out += row_step) {
+        if (half && j >= 8) break;
 #pragma unroll
-        for (int j = 0; j < 16; ++j, out += row_step)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (half && j >= 8) continue;
-            const float wv = ld_shared_f32(wt_s + 4 * e + 32 * j);
+        for (int e = 0; e < 2; ++e) {
+          const float wv = ld_shared_f32(wt_s + 4 * e + 32 * j);
+          if (store0)
             *reinterpret_cast<__nv_bfloat162*>(out + e * p.ldo) =
-                __floats2bfloat162_rn(acc[4 * j + e] * wv, acc[4 * j + 2 + e] * wv);
-          }
+                __floats2bfloat162_rn(acc0[4 * j + e] * wv, acc0[4 * j + 2 + e] * wv);
+          if (store1)
+            *reinterpret_cast<__nv_bfloat162*>(out + e * p.ldo + 64) =
+                __floats2bfloat162_rn(acc1[4 * j + e] * wv, acc1[4 * j + 2 + e] * wv);
+        }
       }
     }
   }
