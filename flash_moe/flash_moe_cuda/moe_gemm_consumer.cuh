@@ -83,7 +83,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
   constexpr int kExtra = kMaxRows - kBM;
   const ConsumerThread me;
   const int cw = me.cw, w4 = me.w4, lane = me.lane, q = threadIdx.x & 127;
-  const uint32_t wt = sbase + Plan::kWtOffset + cw * kMaxRows * 4;  // down: the tile's router weights, one float per token
+  const uint32_t wt = sbase + Plan::kWtOffset + cw * kMaxRows * 4;  // down: router weights, a float per token
   float acc0[kMaxRows / 2], acc1[kMaxRows / 2];
   zero_fill(acc0);
   zero_fill(acc1);

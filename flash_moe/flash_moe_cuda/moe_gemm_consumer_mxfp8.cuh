@@ -82,7 +82,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // are copied there now, by cp.async, so the two dependent global loads land during the
     // mainloop instead of between it and the epilogue, where both warpgroups wait together
     // (down GEMM -5 %, session 13). The f16 gate/up path's window factors are written in its
-    // epilogue: the same copy at its tile start measured +1 to +2 % on that kernel. (The bf16
+    // epilogue: the same copy at its tile start made that kernel 0.5-1.7 % slower. (The bf16
     // consumer keeps its router weights in registers; this kernel has none to spare.)
     const uint32_t wt = sbase + Plan::kWtOffset + cw * kBM * 4;
     if constexpr (kKind == Kind::kDown) {
