@@ -92,7 +92,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
   int held = -1;  // the stage kept for this warpgroup's output boxes, or -1
   const auto release_held = [&] {
     if (held < 0) return;
-    if (q == 0) bulk_wait_read_all();  // also frees the warpgroup's box at kEpiOffset
+    if (q == 0) bulk_wait_read<0>();  // also frees the warpgroup's box at kEpiOffset
     named_barrier_sync(4 + cw, 128);
     if (lane == 0) bars.release(held);
     held = -1;

@@ -93,9 +93,8 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* tm, uint32_t src
                : "memory");
 }
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// Wait until every committed store has finished reading its shared-memory source.
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-// Wait until at most kPending of the committed store groups may still read shared memory.
+// Wait until at most kPending of the committed store groups may still read their shared-memory
+// source (0: every store has finished reading).
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
