@@ -18,8 +18,16 @@ namespace gemm {
 // Both formats' consumers: a thread's warpgroup cw (0 or 1; warpgroup 0 is the producer), its
 // warp w4 in that warpgroup and its lane. Accumulators are zeroed once (the first wgmma of every
 // tile overwrites them; zeroing only gives them a defined start).
+//
+// Warp-uniform values: ptxas keeps the stage addresses and wgmma descriptors in uniform
+// registers only when it can prove them the same across the warp. cw comes through a shuffle
+// (as CUTLASS does), the consumers' stage counter is rebuilt from the tile counter every tile
+// (`it = t * nk`: each tile, idle or empty ones too, takes nk stages), and the bf16 consumer's n
+// comes through a shuffle. Without them (a counter carried through data-dependent branches,
+// threadIdx arithmetic) every wgmma waited on R2UR moves and each batch on a WARPSYNC: the MXFP8
+// op was 5-6 % slower (session 14).
 struct ConsumerThread {
-  int cw = threadIdx.x / 128 - 1;
+  int cw = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
   int w4 = (threadIdx.x / 32) & 3;
   int lane = threadIdx.x & 31;
 };
@@ -88,7 +96,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
   zero_fill(acc0);
   zero_fill(acc1);
   HandOff handoff;
-  uint32_t it = 0;
+  uint32_t it;  // stages taken so far
   int held = -1;  // the stage kept for this warpgroup's output boxes, or -1
   const auto release_held = [&] {
     if (held < 0) return;
@@ -125,7 +133,8 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
     wgmma_wait<0>();
     held = (it - 1) % kStages;
   };
-  for (;;) {
+  for (uint32_t t = 0;; ++t) {
+    it = t * nk;  // see ConsumerThread
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
     const bool idle = tile.flags & kIdle;
@@ -147,7 +156,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
       }
       n = named_barrier_popc(2 + cw, 128, live_q);
       if (n == kBM && tile.rows > kBM) n += named_barrier_popc(2 + cw, 128, live_x);
-      n = (n + 7) & ~7;
+      n = __shfl_sync(0xffffffffu, (n + 7) & ~7, 0);  // the same in every thread: see ConsumerThread
     }
     if (n == 0) {
       release_held();
