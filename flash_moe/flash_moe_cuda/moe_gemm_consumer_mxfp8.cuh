@@ -63,9 +63,8 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
   zero_fill(acc0);
   zero_fill(acc1);
   HandOff handoff;
-  uint32_t it;  // stages taken so far
   for (uint32_t t = 0;; ++t) {
-    it = t * nk;  // see ConsumerThread
+    uint32_t it = t * nk;  // stages taken so far: see ConsumerThread
     const Tile tile = wait_tile(bars, slots, it);
     if (tile.m0 < 0) break;
     if (tile.flags & kIdle) {  // a CTA pair's idle CTA: keep the stages in step, nothing else
