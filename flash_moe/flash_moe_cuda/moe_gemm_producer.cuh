@@ -77,11 +77,11 @@ struct E4m3Weights {
     row0[1] = row0[0] + p.b_second;
   }
 
-  // One thread: TMA both boxes and bulk-copy their scale chunks into `slot` ([box 0][box 1]
-  // [scales]), completing on `bar`. A CTA pair's tile (kMulticast): CTA `rank` loads box `rank`
-  // and its scale chunks for both CTAs.
+  // TMA both boxes and bulk-copy their scale chunks into `slot` ([box 0][box 1][scales]),
+  // completing on `bar`; the thread with `issue` issues (see sm90's FM_PRED). A CTA pair's tile
+  // (kMulticast): CTA `rank` loads box `rank` and its scale chunks for both CTAs.
   __device__ static void fetch(const CUtensorMap& tmB, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
-                               uint32_t bar, uint32_t extra_tx, uint32_t rank) {
+                               uint32_t bar, uint32_t extra_tx, uint32_t rank, bool issue) {
     int row0[2];
     box_rows(p, t, row0);
     const uint8_t* src[2][2];
@@ -97,24 +97,24 @@ struct E4m3Weights {
         bytes += need ? kScaleChunk : 0;
       }
     }
-    mbar_arrive_expect_tx(bar, bytes + extra_tx);  // extra_tx: what the caller adds on `bar`
+    mbar_arrive_expect_tx(bar, bytes + extra_tx, issue);  // extra_tx: what the caller adds on `bar`
     const bool shared = t.flags & kMulticast;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
       if (shared && b != (int)rank) continue;
       const uint32_t box = slot + b * kBoxBytes;
       if (shared)
-        tma_load_3d_multicast(box, &tmB, kb * kBK, row0[b], t.e, bar, 0x3);
+        tma_load_3d_multicast(box, &tmB, kb * kBK, row0[b], t.e, bar, 0x3, issue);
       else
-        tma_load_3d(box, &tmB, kb * kBK, row0[b], t.e, bar);
+        tma_load_3d(box, &tmB, kb * kBK, row0[b], t.e, bar, issue);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         if (!src[b][j]) continue;
         const uint32_t chunk = slot + 2 * kBoxBytes + (b * 2 + j) * kScaleChunk;
         if (shared)
-          bulk_load_multicast(chunk, src[b][j], kScaleChunk, bar, 0x3);
+          bulk_load_multicast(chunk, src[b][j], kScaleChunk, bar, 0x3, issue);
         else
-          bulk_load(chunk, src[b][j], kScaleChunk, bar);
+          bulk_load(chunk, src[b][j], kScaleChunk, bar, issue);
       }
     }
   }
@@ -125,28 +125,44 @@ struct E4m3Weights {
 // The producer loop of both weight formats: claim tiles until the schedule ends, fill one stage
 // per k-block, publish each tile with its k-block 0, and end with a stage whose slot says
 // m0 = -1. A stage starts with the 128 token rows; the gate/up GEMM's 128 producer threads
-// gather them, and thread 0 issues the rest (`load_stage(tile, kb, stage, full_bar)`: the
-// weights, and the down GEMM's h rows).
-template <Kind kKind, int kStages, int kStageBytes, class LoadStage>
+// gather them, and thread 0 issues the rest (`load_stage(tile, kb, stage, full_bar, issue)`:
+// the weights, and the down GEMM's h rows).
+// kLoaderWarp (the MXFP8 down GEMM): all of warp 0 runs load_stage, converged, with the tile and
+// the stage counter made warp-uniform, so ptxas keeps the copies' operands in uniform registers
+// (lane 0 issues): down kernel -2 to -3 %, MXFP8 op -0.5 to -1 % (session 15). Not for the
+// other GEMMs: the gate/up GEMMs were 9-11 % slower with it and the bf16 down GEMM 1-2 %
+// (session 14, not understood).
+template <Kind kKind, int kStages, int kStageBytes, bool kLoaderWarp = false, class LoadStage>
 __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
                               int nk, LoadStage load_stage) {
-  constexpr int kProducers = kKind == Kind::kGateUp ? 128 : 1;
+  static_assert(!kLoaderWarp || kKind == Kind::kDown, "the gate/up GEMM's warp 0 gathers");
+  constexpr int kProducers = kKind == Kind::kGateUp ? 128 : (kLoaderWarp ? 32 : 1);
   if (threadIdx.x >= kProducers) return;
   const TileOrder order(p);
   GatherA<128> gather;
   uint32_t it = 0;
-  for (;;) {
-    const Tile tile = slots.next(p, order, kProducers);
+  for (uint32_t t = 0;; ++t) {
+    Tile tile = slots.next(p, order, kProducers);
+    if constexpr (kLoaderWarp) {  // the same in every lane, which ptxas cannot see through shared memory
+      tile.m0 = __shfl_sync(0xffffffffu, tile.m0, 0);
+      tile.nb = __shfl_sync(0xffffffffu, tile.nb, 0);
+      tile.e = __shfl_sync(0xffffffffu, tile.e, 0);
+      tile.flags = __shfl_sync(0xffffffffu, tile.flags, 0);
+      tile.rows = __shfl_sync(0xffffffffu, tile.rows, 0);
+      tile.group = __shfl_sync(0xffffffffu, tile.group, 0);
+      it = t * nk;  // every tile takes nk stages (see ConsumerThread)
+    }
     if (tile.m0 < 0) break;
     if (kKind == Kind::kGateUp) gather.begin_tile(p, tile);
     for (int kb = 0; kb < nk; ++kb, ++it) {
       const int s = it % kStages;
       const uint32_t stage = sbase + s * kStageBytes;
       mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
-      if (threadIdx.x == 0) {
-        if (kb == 0) TileSlots::put(slots.stage(s), tile);  // before the arrive in load_stage
+      if (kLoaderWarp || threadIdx.x == 0) {
+        const bool issue = threadIdx.x == 0;
+        if (issue && kb == 0) TileSlots::put(slots.stage(s), tile);  // before the arrive in load_stage
         if (kKind == Kind::kDown && kb == 0 && !(tile.flags & kIdle)) HandOff::wait_ready(p, tile);
-        load_stage(tile, kb, stage, bars.full(s));
+        load_stage(tile, kb, stage, bars.full(s), issue);
       }
       if (kKind == Kind::kGateUp) gather.issue(p, kb, stage, bars.full(s));
     }
@@ -173,7 +189,7 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
                              int nk) {
   using Plan = SmemPlan<kStages>;
   constexpr uint32_t kRowBytes = kBK * 2;
-  auto load = [&](const Tile& tile, int kb, uint32_t a_s, uint32_t full) {
+  auto load = [&](const Tile& tile, int kb, uint32_t a_s, uint32_t full, bool) {
     const int n0 = n_origin<kKind>(tile);
     const uint32_t b_s = a_s + Plan::kABytes;
     const bool extra = tile.rows > kBM;
@@ -200,11 +216,11 @@ template <Kind kKind, int kStages>
 __device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
                               const Barriers<kStages>& bars, TileSlots& slots, int nk) {
   using Plan = Mxfp8Plan<kStages>;
-  produce_tiles<kKind, kStages, Plan::kStageBytes>(
-      p, sbase, bars, slots, nk, [&](const Tile& tile, int kb, uint32_t tok, uint32_t full) {
+  produce_tiles<kKind, kStages, Plan::kStageBytes, kKind == Kind::kDown>(
+      p, sbase, bars, slots, nk, [&](const Tile& tile, int kb, uint32_t tok, uint32_t full, bool issue) {
         E4m3Weights<kKind>::fetch(tmB, p, tile, kb, tok + Plan::kTokBytes, full,
-                                  kKind == Kind::kDown ? Plan::kTokBytes : 0, slots.rank);
-        if (kKind == Kind::kDown) tma_load_2d(tok, &tmA, kb * kBK, tile.m0, full);
+                                  kKind == Kind::kDown ? Plan::kTokBytes : 0, slots.rank, issue);
+        if (kKind == Kind::kDown) tma_load_2d(tok, &tmA, kb * kBK, tile.m0, full, issue);
       });
 }
 

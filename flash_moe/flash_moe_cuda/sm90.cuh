@@ -20,8 +20,13 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(bar),
+// The producer's arrive and copies take `issue` (default true): a whole warp may call them with
+// the same, warp-uniform operands, which ptxas then keeps in uniform registers, and only the lane
+// with issue = true executes the instruction. (Called from one divergent thread, every copy's
+// operands go through an R2UR loop instead: ~15 instructions per copy.)
+#define FM_PRED(INSTR) "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p " INSTR ";\n}"
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes, bool issue = true) {
+  asm volatile(FM_PRED("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2") ::"r"((uint32_t)issue), "r"(bar),
                "r"(bytes)
                : "memory");
 }
@@ -67,22 +72,25 @@ __device__ __forceinline__ int named_barrier_popc(uint32_t id, uint32_t threads,
 }
 
 // ---------------------------------------------------------------- TMA and bulk copies
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* tm, int c0, int c1, uint32_t bar) {
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* tm, int c0, int c1, uint32_t bar,
+                                            bool issue = true) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
-      "l"(tm), "r"(c0), "r"(c1), "r"(bar)
+      FM_PRED("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%1], [%2, {%3, %4}], [%5]")
+      ::"r"((uint32_t)issue), "r"(dst), "l"(tm), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* tm, int c0, int c1, int c2, uint32_t bar) {
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* tm, int c0, int c1, int c2, uint32_t bar,
+                                            bool issue = true) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
-      "l"(tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      FM_PRED("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%1], [%2, {%3, %4, %5}], [%6]")
+      ::"r"((uint32_t)issue), "r"(dst), "l"(tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
 // Contiguous global -> shared copy (16-byte aligned, size a multiple of 16), completes on `bar`.
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                          bool issue = true) {
+  asm volatile(FM_PRED("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%1], [%2], %3, [%4]")
+               ::"r"((uint32_t)issue), "r"(dst), "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
 
@@ -170,22 +178,22 @@ __device__ __forceinline__ void cluster_sync() {
 // TMA load of one box into the same shared-memory offset of every CTA in `cta_mask`, each
 // CTA's `bar` (same offset) receiving the box's bytes.
 __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* tm, int c0, int c1, int c2,
-                                                      uint32_t bar, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
-      "l"(tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(cta_mask)
-      : "memory");
+                                                      uint32_t bar, uint16_t cta_mask, bool issue = true) {
+  asm volatile(FM_PRED("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                       " [%1], [%2, {%3, %4, %5}], [%6], %7")
+               ::"r"((uint32_t)issue), "r"(dst), "l"(tm), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(cta_mask)
+               : "memory");
 }
 
 // Bulk copy of `bytes` into the same shared-memory offset of every CTA in `cta_mask`.
 __device__ __forceinline__ void bulk_load_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                                    uint16_t cta_mask) {
+                                                    uint16_t cta_mask, bool issue = true) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], %4;" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask)
+      FM_PRED("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%1], [%2], %3, [%4], %5")
+      ::"r"((uint32_t)issue), "r"(dst), "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask)
       : "memory");
 }
+#undef FM_PRED
 
 // ---------------------------------------------------------------- kernel-to-kernel handoff
 // Programmatic dependent launch: once every CTA of this grid has executed this (or exited), the
