@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bars.full(s), full_arrivals<kKind>());
+      mbar_init(bars.full(s), full_arrivals<kKind, kW != Weights::kBf16>());
       mbar_init(bars.empty(s), Barriers<kStages>::empty_arrivals(kPaired));  // one arrive per consumer warp
     }
     slots.init_barriers();

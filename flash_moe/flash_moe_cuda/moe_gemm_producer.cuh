@@ -9,31 +9,36 @@ namespace flash_moe {
 namespace gemm {
 
 // ---------------------------------------------------------------- producer: A operand
-// Gate/up A: token rows gathered from x by kGatherThreads threads. Thread t copies 16-byte
-// chunk (t % 8) of rows t/8 + j*kGatherThreads/8 straight into the 128-byte-swizzled layout
-// wgmma reads; padding rows are zero-filled (src-size 0). The arrive on the stage's full
-// barrier fires asynchronously when the thread's copies have landed (CUTLASS's SM90 cp.async
-// mainloop does the same), so the gathering threads never wait for their own loads.
-template <int kGatherThreads>
+// Gate/up A: token rows gathered from x by the last kThreads threads of the producer
+// warpgroup. Gathering thread t copies 16-byte chunk (t % 8) of rows t/8 + j*kThreads/8 straight
+// into the 128-byte-swizzled layout wgmma reads; padding rows are zero-filled (src-size 0). The
+// arrive on the stage's full barrier fires asynchronously when the thread's copies have landed
+// (CUTLASS's SM90 cp.async mainloop does the same), so the gathering threads never wait for
+// their own loads.
+template <int kThreads>
 struct GatherA {
-  static constexpr int kRowStep = kGatherThreads / 8;
-  static constexpr int kRows = kBM / kRowStep;  // rows per thread in an m-block's worth
-  static_assert(kRowStep == kMaxRows - kBM, "one row past the m-block's worth per gathering thread");
-  // Byte address of the thread's chunk in k-block 0 of each row (row j: tile row r0 +
-  // kRowStep j; row kRows: tile row kBM + r0, gathered when the tile has more than kBM rows);
-  // a padding row points at x's first row instead (valid memory, never read: its copies
-  // zero-fill), so issue() only adds the k-block offset: two integer adds per copy, no select.
-  const uint8_t* src[kRows + 1];
+  static constexpr int kFirst = 128 - kThreads;  // the producer thread that is gathering thread 0
+  static constexpr int kRowStep = kThreads / 8;
+  static constexpr int kSlots = (kMaxRows + kRowStep - 1) / kRowStep;  // rows per thread, extras included
+  static constexpr int kFull = kBM / kRowStep;  // slots below kBM for every thread
+  static_assert(kThreads % 32 == 0 && kRowStep * kSlots == kMaxRows, "whole warps; every row of a token tile once");
+  // Byte address of the thread's chunk in k-block 0 of each row (slot j: tile row r0 +
+  // kRowStep j; rows past kBM are gathered when the tile has more than kBM rows); a padding
+  // row points at x's first row instead (valid memory, never read: its copies zero-fill), so
+  // issue() only adds the k-block offset: two integer adds per copy, no select.
+  const uint8_t* src[kSlots];
   uint32_t okmask;  // bit j: row j is live
   bool extra_on = false;
   int c, r0;
-  uint32_t swz;
+  uint32_t swz[2];  // the swizzle phase of the thread's even and odd slots
   __device__ GatherA() {
-    const int t = threadIdx.x;
+    const int t = (int)threadIdx.x - kFirst;
     c = t & 7;
     r0 = t >> 3;
-    swz = (uint32_t)((c ^ (r0 & 7)) << 4);  // rows r0 + j*kRowStep share r0's swizzle phase
+    swz[0] = (uint32_t)((c ^ (r0 & 7)) << 4);
+    swz[1] = (uint32_t)((c ^ ((r0 + kRowStep) & 7)) << 4);
   }
+  __device__ static constexpr bool below_bm(int j, int r) { return j < kFull || r < kBM; }
   __device__ const uint8_t* chunk_src(const GemmParams& p, int sid, bool ok) const {
     return reinterpret_cast<const uint8_t*>(p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
   }
@@ -44,9 +49,9 @@ struct GatherA {
     extra_on = tile.rows > kBM;
     const bool idle = tile.flags & kIdle;  // zero-fills: its consumers read nothing
 #pragma unroll
-    for (int j = 0; j <= kRows; ++j) {
+    for (int j = 0; j < kSlots; ++j) {
       const int r = r0 + kRowStep * j;
-      const int sid = (j < kRows || extra_on) && r < tile.rows ? p.sorted_ids[tile.m0 + r] : -1;
+      const int sid = (below_bm(j, r) || extra_on) && r < tile.rows ? p.sorted_ids[tile.m0 + r] : -1;
       const bool ok = !idle && live_slot(p, sid);
       okmask |= (ok ? 1u : 0u) << j;
       src[j] = chunk_src(p, sid, ok);
@@ -56,9 +61,9 @@ struct GatherA {
     const uint32_t live = kb * kBK + c * 8 < p.K ? okmask : 0u;
     const uint32_t koff = (uint32_t)kb * (kBK * 2);
 #pragma unroll
-    for (int j = 0; j <= kRows; ++j) {
-      if (j == kRows && !extra_on) break;
-      const uint32_t dst = a_smem + (uint32_t)(r0 + kRowStep * j) * 128u + swz;
+    for (int j = 0; j < kSlots; ++j) {
+      if (!below_bm(j, r0 + kRowStep * j) && !extra_on) break;  // the later slots are past kBM too
+      const uint32_t dst = a_smem + (uint32_t)(r0 + kRowStep * j) * 128u + swz[kRowStep % 8 == 0 ? 0 : j & 1];
       cp_async_16(dst, src[j] + koff, ((live >> j) & 1u) ? 16u : 0u);
     }
     cp_async_arrive_noinc(full_bar);
@@ -127,19 +132,22 @@ struct E4m3Weights {
 // m0 = -1. A stage starts with the 128 token rows; the gate/up GEMM's 128 producer threads
 // gather them, and thread 0 issues the rest (`load_stage(tile, kb, stage, full_bar, issue)`:
 // the weights, and the down GEMM's h rows).
-// kLoaderWarp (the MXFP8 down GEMM): all of warp 0 runs load_stage, converged, with the tile and
+// kLoaderWarp (the MXFP8 GEMMs): all of warp 0 runs load_stage, converged, with the tile and
 // the stage counter made warp-uniform, so ptxas keeps the copies' operands in uniform registers
-// (lane 0 issues): down kernel -2 to -3 %, MXFP8 op -0.5 to -1 % (session 15). Not for the
-// other GEMMs: the gate/up GEMMs were 9-11 % slower with it and the bf16 down GEMM 1-2 %
-// (session 14, not understood).
+// (lane 0 issues), and the gate/up GEMM's warps 1-3 gather. Session 15: down kernel -2 to -3 %,
+// gate/up kernel -1.2 to -2.3 % (shape 3 within noise). Not for the bf16 GEMMs: its down GEMM
+// was 1-2 % slower with it (session 14). (A gate/up warp 0 that both issued and gathered was
+// 9-11 % slower, session 14.)
 template <Kind kKind, int kStages, int kStageBytes, bool kLoaderWarp = false, class LoadStage>
 __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
                               int nk, LoadStage load_stage) {
-  static_assert(!kLoaderWarp || kKind == Kind::kDown, "the gate/up GEMM's warp 0 gathers");
   constexpr int kProducers = kKind == Kind::kGateUp ? 128 : (kLoaderWarp ? 32 : 1);
   if (threadIdx.x >= kProducers) return;
   const TileOrder order(p);
-  GatherA<128> gather;
+  GatherA<gather_threads<kLoaderWarp>()> gather;
+  const bool gathers = kKind == Kind::kGateUp && (int)threadIdx.x >= decltype(gather)::kFirst;
+  const bool loader = !kLoaderWarp ? threadIdx.x == 0
+                                   : kKind == Kind::kDown || __shfl_sync(0xffffffffu, threadIdx.x / 32, 0) == 0;
   uint32_t it = 0;
   for (uint32_t t = 0;; ++t) {
     Tile tile = slots.next(p, order, kProducers);
@@ -153,18 +161,18 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
       it = t * nk;  // every tile takes nk stages (see ConsumerThread)
     }
     if (tile.m0 < 0) break;
-    if (kKind == Kind::kGateUp) gather.begin_tile(p, tile);
+    if (gathers) gather.begin_tile(p, tile);
     for (int kb = 0; kb < nk; ++kb, ++it) {
       const int s = it % kStages;
       const uint32_t stage = sbase + s * kStageBytes;
       mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
-      if (kLoaderWarp || threadIdx.x == 0) {
+      if (loader) {
         const bool issue = threadIdx.x == 0;
         if (issue && kb == 0) TileSlots::put(slots.stage(s), tile);  // before the arrive in load_stage
         if (kKind == Kind::kDown && kb == 0 && !(tile.flags & kIdle)) HandOff::wait_ready(p, tile);
         load_stage(tile, kb, stage, bars.full(s), issue);
       }
-      if (kKind == Kind::kGateUp) gather.issue(p, kb, stage, bars.full(s));
+      if (gathers) gather.issue(p, kb, stage, bars.full(s));
     }
   }
   const int s = it % kStages;
@@ -173,8 +181,8 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
     TileSlots::put(slots.stage(s), Tile{-1, 0, 0});
     mbar_arrive(bars.full(s));
   }
-  if (kKind == Kind::kGateUp) {
-    mbar_arrive(bars.full(s));  // with thread 0's second arrive: full_arrivals<kGateUp>()
+  if (gathers) {
+    mbar_arrive(bars.full(s));  // with thread 0's arrive: full_arrivals<kGateUp>()
     cp_async_wait_all();
   }
 }
@@ -216,7 +224,7 @@ template <Kind kKind, int kStages>
 __device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
                               const Barriers<kStages>& bars, TileSlots& slots, int nk) {
   using Plan = Mxfp8Plan<kStages>;
-  produce_tiles<kKind, kStages, Plan::kStageBytes, kKind == Kind::kDown>(
+  produce_tiles<kKind, kStages, Plan::kStageBytes, true>(
       p, sbase, bars, slots, nk, [&](const Tile& tile, int kb, uint32_t tok, uint32_t full, bool issue) {
         E4m3Weights<kKind>::fetch(tmB, p, tile, kb, tok + Plan::kTokBytes, full,
                                   kKind == Kind::kDown ? Plan::kTokBytes : 0, slots.rank, issue);

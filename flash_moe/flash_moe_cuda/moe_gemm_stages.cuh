@@ -73,12 +73,18 @@ struct Barriers {
   }
 };
 
-// Arrivals that complete a stage: gathered tokens = one cp.async arrival per producer thread,
+// The gate/up GEMM's producer threads that gather token rows: all 128, or warps 1-3 when warp 0
+// issues the weight copies (kLoaderWarp, the MXFP8 GEMMs; see produce_tiles).
+template <bool kLoaderWarp>
+__host__ __device__ constexpr int gather_threads() {
+  return kLoaderWarp ? 96 : 128;
+}
+// Arrivals that complete a stage: gathered tokens = one cp.async arrival per gathering thread,
 // plus thread 0's expect_tx arrive for the weights; down GEMM = thread 0's expect_tx arrive
 // covering tokens and weights.
-template <Kind kKind>
+template <Kind kKind, bool kLoaderWarp>
 __host__ __device__ constexpr uint32_t full_arrivals() {
-  return kKind == Kind::kGateUp ? 128u + 1u : 1u;
+  return kKind == Kind::kGateUp ? gather_threads<kLoaderWarp>() + 1u : 1u;
 }
 
 // Consumers: wait for the stage that starts the next tile and read the tile it carries.
