@@ -129,9 +129,9 @@ struct E4m3Weights {
 // ---------------------------------------------------------------- producers
 // The producer loop of both weight formats: claim tiles until the schedule ends, fill one stage
 // per k-block, publish each tile with its k-block 0, and end with a stage whose slot says
-// m0 = -1. A stage starts with the 128 token rows; the gate/up GEMM's 128 producer threads
-// gather them, and thread 0 issues the rest (`load_stage(tile, kb, stage, full_bar, issue)`:
-// the weights, and the down GEMM's h rows).
+// m0 = -1. A stage starts with the 128 token rows; the gate/up GEMM's producer threads gather
+// them (all 128, or warps 1-3 with kLoaderWarp), and thread 0 issues the rest
+// (`load_stage(tile, kb, stage, full_bar, issue)`: the weights, and the down GEMM's h rows).
 // kLoaderWarp (the MXFP8 GEMMs): all of warp 0 runs load_stage, converged, with the tile and
 // the stage counter made warp-uniform, so ptxas keeps the copies' operands in uniform registers
 // (lane 0 issues), and the gate/up GEMM's warps 1-3 gather. Session 15: down kernel -2 to -3 %,

@@ -23,7 +23,7 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // The producer's arrive and copies take `issue` (default true): a whole warp may call them with
 // the same, warp-uniform operands, which ptxas then keeps in uniform registers, and only the lane
 // with issue = true executes the instruction. (Called from one divergent thread, every copy's
-// operands go through an R2UR loop instead: ~15 instructions per copy.)
+// operands go through an R2UR loop instead: ~10 instructions per copy.)
 #define FM_PRED(INSTR) "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p " INSTR ";\n}"
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes, bool issue = true) {
   asm volatile(FM_PRED("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2") ::"r"((uint32_t)issue), "r"(bar),
