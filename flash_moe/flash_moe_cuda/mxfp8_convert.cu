@@ -121,62 +121,78 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
   }
 }
 
-// One thread per 16 elements (half a scale block). kK64Permuted: every 64-wide K block is
-// written K-permuted for the MXFP8 GEMM's register-operand path (moe_gemm_consumer_mxfp8.cuh, kperm):
-// logical 16c + 4s + j -> physical 16s + 8(j >> 1) + 2c + (j & 1); a thread's 16 elements are
-// one c of one block. With `window` (the GEMM's x pre-pass): when the scale-window scan found
-// every row inside the f16 window, the output is f16 q * 2^(byte - top + 7) (mx::kWindow)
-// instead of bf16.
-struct WindowOut {
-  const uint8_t* top;      // per row
-  const uint32_t* misfit;  // 0: write f16
-};
-
-template <bool kK64Permuted>
+// One thread per 16 elements (half a scale block): dequantize_mxfp8, row-major bf16 out.
 __global__ void __launch_bounds__(kThreadsPerCta) dequantize_kernel(const uint8_t* __restrict__ vals,
                                                                      const uint8_t* __restrict__ scales, int64_t R,
-                                                                     int K, uint16_t* __restrict__ out,
-                                                                     WindowOut window) {
+                                                                     int K, uint16_t* __restrict__ out) {
   const int chunks_per_row = K / 16;
   const int S = K / kMxfp8ScaleBlock;
   const int64_t total = R * chunks_per_row;
-  const bool f16 = window.misfit != nullptr && *window.misfit == 0u;
   for (int64_t i = (int64_t)blockIdx.x * kThreadsPerCta + threadIdx.x; i < total;
        i += (int64_t)gridDim.x * kThreadsPerCta) {
     const int64_t r = i / chunks_per_row;
     const int q = (int)(i - r * chunks_per_row);
     const uint4 v = *reinterpret_cast<const uint4*>(vals + i * 16);
-    const uint32_t byte = scales[r * S + q / 2];
     uint4 lo, hi;
-    if (f16)
-      mx::dequant16_f16(v, mx::f16x2_scale(byte, window.top[r]), lo, hi);
-    else
-      mx::dequant16(v, byte, lo, hi);
-    if constexpr (!kK64Permuted) {
-      reinterpret_cast<uint4*>(out + i * 16)[0] = lo;
-      reinterpret_cast<uint4*>(out + i * 16)[1] = hi;
-    } else {
-      const uint32_t o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // pairs (2k, 2k+1)
-      uint16_t* block = out + r * K + (q / 4) * 64;
-      const int c = q % 4;
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        *reinterpret_cast<uint32_t*>(block + 16 * st + 2 * c) = o[2 * st];          // logical 4st, 4st+1
-        *reinterpret_cast<uint32_t*>(block + 16 * st + 8 + 2 * c) = o[2 * st + 1];  // logical 4st+2, 4st+3
-      }
-    }
+    mx::dequant16(v, scales[r * S + q / 2], lo, hi);
+    reinterpret_cast<uint4*>(out + i * 16)[0] = lo;
+    reinterpret_cast<uint4*>(out + i * 16)[1] = hi;
   }
 }
 
-template <bool kK64Permuted>
-cudaError_t launch_dequantize(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
-                              WindowOut window, cudaStream_t stream) {
-  if (K % (kK64Permuted ? 64 : kMxfp8ScaleBlock) != 0 || K <= 0) return cudaErrorInvalidValue;
-  const int64_t chunks = R * (K / 16);
-  if (chunks == 0) return cudaSuccess;
-  dequantize_kernel<kK64Permuted><<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(
-      vals, scales, R, (int)K, static_cast<uint16_t*>(out), window);
-  return cudaGetLastError();
+// The MXFP8 GEMM's x pre-pass: x (R, K) -> 2-byte values with every 64-wide K block written
+// K-permuted for the register-operand path (moe_gemm_consumer_mxfp8.cuh, kperm: logical
+// 16c + 4s + j at physical 16s + 8(j >> 1) + 2c + (j & 1)). When the scale-window scan found
+// every row inside the f16 window (*window.misfit == 0) the values are f16 q * 2^(byte - top + 7)
+// (mx::kWindow), else bf16. Thread c of each group of 4 converts chunk c (16 values) of one
+// 64-block, whose 8 pairs belong at words 8s + 4h + c (pair 2s + h) of the permuted block. A CTA
+// puts kPermBlocks blocks so in shared memory, then stores them with 16-byte stores by
+// consecutive lanes, whole sectors (stored from registers, a block took 32 four-byte stores).
+struct WindowOut {
+  const uint8_t* top;      // per row
+  const uint32_t* misfit;  // 0: write f16
+};
+constexpr int kPermBlocks = kThreadsPerCta / 4;
+constexpr int kPermBlockWords = 32 + 4;  // padded: a warp's shared stores hit 32 banks; blocks stay 16-byte aligned
+
+__global__ void __launch_bounds__(kThreadsPerCta) dequantize_k64_permuted_kernel(const uint8_t* __restrict__ vals,
+                                                                                  const uint8_t* __restrict__ scales,
+                                                                                  int64_t R, int K,
+                                                                                  uint16_t* __restrict__ out,
+                                                                                  WindowOut window) {
+  __shared__ __align__(16) uint32_t staged[kPermBlocks * kPermBlockWords];
+  const int chunks_per_row = K / 16;
+  const int S = K / kMxfp8ScaleBlock;
+  const int64_t total = R * (K / 64);  // 64-blocks
+  const bool f16 = *window.misfit == 0u;
+  const int b = threadIdx.x / 4, c = threadIdx.x % 4;
+  for (int64_t first = (int64_t)blockIdx.x * kPermBlocks; first < total; first += (int64_t)gridDim.x * kPermBlocks) {
+    if (first + b < total) {
+      const int64_t i = (first + b) * 4 + c;  // the thread's 16-value chunk
+      const int64_t r = i / chunks_per_row;
+      const int q = (int)(i - r * chunks_per_row);
+      const uint4 v = *reinterpret_cast<const uint4*>(vals + i * 16);
+      const uint32_t byte = scales[r * S + q / 2];
+      uint4 lo, hi;
+      if (f16)
+        mx::dequant16_f16(v, mx::f16x2_scale(byte, window.top[r]), lo, hi);
+      else
+        mx::dequant16(v, byte, lo, hi);
+      const uint32_t o[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};  // pairs (2k, 2k+1) of the chunk
+      uint32_t* block = staged + b * kPermBlockWords;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) block[8 * (k / 2) + 4 * (k % 2) + c] = o[k];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = threadIdx.x; u < kPermBlocks * 8; u += kThreadsPerCta) {
+      const int ub = u / 8, m = u % 8;
+      if (first + ub < total)
+        reinterpret_cast<uint4*>(out)[(first + ub) * 8 + m] =
+            *reinterpret_cast<const uint4*>(staged + ub * kPermBlockWords + 4 * m);
+    }
+    __syncthreads();
+  }
 }
 
 // ---------------------------------------------------------------- the f16 scale window scan
@@ -303,13 +319,23 @@ cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K
 
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                              cudaStream_t stream) {
-  return launch_dequantize<false>(vals, scales, R, K, out, WindowOut{}, stream);
+  if (K % kMxfp8ScaleBlock != 0 || K <= 0) return cudaErrorInvalidValue;
+  const int64_t chunks = R * (K / 16);
+  if (chunks == 0) return cudaSuccess;
+  dequantize_kernel<<<grid_for(chunks), kThreadsPerCta, 0, stream>>>(vals, scales, R, (int)K,
+                                                                     static_cast<uint16_t*>(out));
+  return cudaGetLastError();
 }
 
 cudaError_t dequantize_mxfp8_k64_permuted(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                                          const uint8_t* window_top, const uint32_t* window_misfit,
                                          cudaStream_t stream) {
-  return launch_dequantize<true>(vals, scales, R, K, out, WindowOut{window_top, window_misfit}, stream);
+  if (K % 64 != 0 || K <= 0 || window_misfit == nullptr) return cudaErrorInvalidValue;
+  const int64_t blocks = R * (K / 64);
+  if (blocks == 0) return cudaSuccess;
+  dequantize_k64_permuted_kernel<<<grid_for(blocks * 4), kThreadsPerCta, 0, stream>>>(
+      vals, scales, R, (int)K, static_cast<uint16_t*>(out), WindowOut{window_top, window_misfit});
+  return cudaGetLastError();
 }
 
 cudaError_t mxfp8_scale_window(const uint8_t* w, const uint8_t* w_scales, int64_t w_rows, const uint8_t* x,
