@@ -20,9 +20,10 @@ row-major and blocked scales (GB/s counts 2 B read + 1 B + 1/32 B scale written 
 
 Writes <out>/h200.json (DESIGN §9 schema) and a PNG beside it.
 
-Our ops run with `bpc = flash_moe.preferred_bpc(shape)` (CTA pairs where they measured faster;
-recorded as `bpc` in the row); the op alone is timed with both bpc values, alternating twice,
-the faster of each pair of timings kept (`op_alone_ms`, `op_alone_ms_by_bpc`).
+Our ops run as a caller who passes no tuning argument calls them: `bpc=None`, which takes
+`flash_moe.preferred_bpc(shape)` (CTA pairs where they measured faster; recorded as `bpc` in the
+row); the op alone is timed with both bpc values, alternating twice, the faster of each pair of
+timings kept (`op_alone_ms`, `op_alone_ms_by_bpc`).
 
 Per-kernel device times of our ops (torch.profiler over 5 calls) are printed and recorded as
 `kernels_ms` in their rows unless --no-profile.
@@ -303,8 +304,8 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
     wq, ws = kernel.quantize_mxfp8(w, blocked=True)
     w2q, w2s = kernel.quantize_mxfp8(w2, blocked=True)
     # row-major copies of the weight scales for the dequantize paths (the fused op reads the blocked ones)
-    ws_rm = ref.unpack_scales_blocked(ws, E * 2 * I, K // 32).view(E, 2 * I, K // 32)
-    w2s_rm = ref.unpack_scales_blocked(w2s, E * K, I // 32).view(E, K, I // 32)
+    ws_rm = ref.unpack_scales_blocked(ws, E, 2 * I, K // 32)
+    w2s_rm = ref.unpack_scales_blocked(w2s, E, K, I // 32)
     qsets = [(kernel.quantize_mxfp8(x), ids, wt) for (x, ids, wt) in sets]
     n_sets = len(qsets)
 
@@ -325,7 +326,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
     def ours(i):
         (xq, xs), ids, wt = qsets[i % n_sets]
         s, e, n = kernel.moe_align(ids, E)
-        kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k, bpc=bpc)
+        kernel.fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, s, e, n, wt, outs[i % n_sets], top_k)
 
     aligned = [kernel.moe_align(ids, E) for (_, ids, _) in qsets]
 
@@ -557,7 +558,7 @@ def main():
         def ours(i):
             x, ids, wt = sets[i % len(sets)]
             s, e, n = kernel.moe_align(ids, E)
-            kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, outs[i % len(sets)], top_k, bpc=bpc)
+            kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, outs[i % len(sets)], top_k)
 
         aligned = [kernel.moe_align(ids, E) for (_, ids, _) in sets]
 

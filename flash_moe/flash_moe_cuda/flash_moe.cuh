@@ -33,6 +33,8 @@ constexpr int64_t mxfp8_scale_col_groups(int64_t S) { return (S + 3) / 4; }
 constexpr int64_t mxfp8_blocked_scale_bytes(int64_t R, int64_t S) {
   return mxfp8_scale_row_groups(R) * mxfp8_scale_col_groups(S) * 512;
 }
+// Rows of one matrix's pack (R padded to 128): expert e's scales start at row e * this.
+constexpr int64_t mxfp8_blocked_rows(int64_t R) { return mxfp8_scale_row_groups(R) * 128; }
 constexpr int kMaxTopK = 16;
 
 // SMs of the current device (persistent grids are sized by it); read once per process.
@@ -113,11 +115,12 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& args, cudaStream_t stream);
 
 // ---------------------------------------------------------------- MXFP8 conversions (DESIGN §6)
 enum class FloatKind { kBf16, kFp32 };
-
 // src: (R, K) bf16 or fp32, K a multiple of 32. vals: (R, K) e4m3. scales: (R, K/32) row-major,
-// or (blocked) the blocked layout of it, padding zeroed here.
+// or (blocked) the blocked layout of each (mat_rows, K/32) matrix of the R / mat_rows (a whole
+// number) packed on its own and concatenated, padding zeroed here (pack_scales_blocked of the
+// (..., mat_rows, K/32) scales).
 cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales,
-                           bool blocked, cudaStream_t stream);
+                           int64_t mat_rows, bool blocked, cudaStream_t stream);
 // vals (R, K) e4m3, scales (R, K/32) row-major -> out (R, K) bf16; byte 255 -> NaN block.
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,
                              cudaStream_t stream);

@@ -521,6 +521,8 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
     // Which gate/up GEMM runs: f16 operands if every row fits the scale window (mx::kWindow).
     // Then x, read top_k times by the gather, is dequantized once (M*K*3 bytes, ~1% of the op)
     // to f16 or bf16 accordingly.
+    // The scan reads w_scales as one (E*2I, K/32) matrix: the same bytes as the per-expert
+    // packing, since 2I is a multiple of 128 (I % 64 == 0).
     err = mxfp8_scale_window(static_cast<const uint8_t*>(a.w), a.w_scales, a.E * 2 * a.I,
                              static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, !a.f16_window, ws.w_top,
                              ws.x_top, ws.window_misfit, stream);
@@ -538,13 +540,15 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
                 a.M, a.K, a.I, a.E, a.L, a.top_k, p1, p2);
     p1.b_scales = a.w_scales;
     p1.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
-    p1.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * 2 * a.I);
+    p1.scale_rows = (int)mxfp8_blocked_rows(2 * a.I);
+    p1.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(2 * a.I));
     p1.window_misfit = ws.window_misfit;
     p1.w_top = ws.w_top;
     p1.x_top = ws.x_top;
     p2.b_scales = a.w2_scales;
     p2.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
-    p2.scale_row_groups = (int)mxfp8_scale_row_groups(a.E * a.K);
+    p2.scale_rows = (int)mxfp8_blocked_rows(a.K);
+    p2.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(a.K));
     if (a.bpc == 2) err = pair_units(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, false);
     if (err == cudaSuccess)
       err = a.bpc == 2 ? launch_mxfp8_gemms<true>(tm_w, tm_h, tm_w2, p1, p2, stream)

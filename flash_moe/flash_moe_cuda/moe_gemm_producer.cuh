@@ -93,7 +93,7 @@ struct E4m3Weights {
     uint32_t bytes = 2 * kBoxBytes;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-      const int64_t g0 = (int64_t)t.e * p.b_rows + row0[b];
+      const int64_t g0 = (int64_t)t.e * p.scale_rows + row0[b];  // the box's first row in the scale layout
       const int64_t grp = g0 / 128;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {

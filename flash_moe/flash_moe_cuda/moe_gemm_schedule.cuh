@@ -42,11 +42,13 @@ struct GemmParams {
   int* h_done;                   // per m-block: gate/up warpgroup-tiles whose h is stored (HandOff)
   int h_done_target;             // kDown: the count that makes an m-block's h rows complete
   int b_second;                  // row offset of the second weight box from the first
-  // MXFP8 only: weight scales in the blocked layout of the (E * b_rows, K/32) scale matrix.
+  // MXFP8 only: weight scales, each expert's (b_rows, K/32) matrix in the blocked layout on its
+  // own (pack_scales_blocked of (E, b_rows, K/32)), so expert e's start at row e * scale_rows.
   const uint8_t* b_scales;
   int b_rows;                    // rows of B per expert (2I for gate/up, Kd for down)
+  int scale_rows;                // b_rows padded to 128: an expert's rows in the scale layout
   int scale_col_groups;          // ceil((K/32) / 4): 512-byte chunks per 128-row group
-  int scale_row_groups;          // ceil(E * b_rows / 128)
+  int scale_row_groups;          // E * scale_rows / 128
   // MXFP8 gate/up only. window_misfit: 0 when every weight and token row fits the f16 scale
   // window (mx::kWindow), set by mxfp8_scale_window; of the two gate/up kernels, the one it does
   // not select returns at once. w_top / x_top: each weight row's / token's top scale byte.

@@ -24,8 +24,9 @@ int grid_for(int64_t chunks) {
 // "unit" = 4 blocks = scale columns 4j..4j+3 of one row (kLanesPerUnit lanes), whose 4 scale
 // bytes are contiguous in the blocked layout (and row-major when S % 4 == 0): they are OR-
 // gathered by shuffles and stored as one word by the unit's first lane. Units are numbered
-// row-major over (out_rows, S4) with out_rows = R, or R rounded up to 128 when blocked: the
-// padding rows' units load nothing and store zero words, so the padding needs no memset.
+// row-major over (out_rows, S4) with out_rows = R, or, when blocked, the R / mat_rows matrices
+// of mat_rows rows each padded to a multiple of 128 (each matrix packed on its own): the padding
+// rows' units load nothing and store zero words, so the padding needs no memset.
 constexpr int kSlots = 4;  // 64 B of loads in flight per thread
 
 template <typename T>
@@ -48,17 +49,20 @@ template <typename T>
 __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __restrict__ src, int64_t R, int K,
                                                                    uint8_t* __restrict__ vals,
                                                                    uint8_t* __restrict__ scales, int64_t units,
-                                                                   bool blocked, bool words) {
+                                                                   int64_t mat_rows, bool blocked, bool words) {
   using G = QuantGeom<T>;
   constexpr int E = G::kElems;
   const int S = K / kMxfp8ScaleBlock;
   const int S4 = (S + 3) / 4;
-  const int64_t out_rows = blocked ? (R + 127) / 128 * 128 : R;  // scale rows written (units = out_rows * S4)
+  // Scale rows written per matrix and in all (units = out_rows * S4); row-major: one matrix of R rows.
+  const int64_t mat_out_rows = blocked ? (mat_rows + 127) / 128 * 128 : R;
+  const int64_t out_rows = blocked ? R / mat_rows * mat_out_rows : R;
   const int ul = threadIdx.x % G::kLanesPerUnit;  // lane within its unit
   const int b = ul / G::kLanesPerBlock;           // block within the unit: scale column 4j + b
   // The loop bound is CTA-uniform, so every lane reaches every shuffle.
   for (int64_t step = blockIdx.x; step * G::kUnitsPerStep < units; step += gridDim.x) {
-    int64_t r[kSlots];
+    int64_t r[kSlots];  // source row
+    int64_t o[kSlots];  // scale row written: r plus the padding rows of the matrices before it
     int j[kSlots];
     bool in[kSlots];  // a real block (row < R, column < S)
     uint4 raw[kSlots];
@@ -66,9 +70,12 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
     for (int c = 0; c < kSlots; ++c) {
       // slot c of the CTA covers kThreadsPerCta / kLanesPerUnit consecutive units
       const int64_t u = step * G::kUnitsPerStep + (c * kThreadsPerCta + (int)threadIdx.x) / G::kLanesPerUnit;
-      r[c] = u / S4;  // nvcc divides in 32 bits whenever the operands fit
-      j[c] = (int)(u - r[c] * S4);
-      in[c] = r[c] < R && 4 * j[c] + b < S;
+      o[c] = u / S4;  // nvcc divides in 32 bits whenever the operands fit
+      j[c] = (int)(u - o[c] * S4);
+      const int64_t mat = o[c] < mat_out_rows ? 0 : o[c] / mat_out_rows;  // one matrix: no division
+      const int64_t row_in_mat = o[c] - mat * mat_out_rows;
+      r[c] = mat * mat_rows + row_in_mat;
+      in[c] = o[c] < out_rows && row_in_mat < mat_rows && 4 * j[c] + b < S;
       raw[c] = make_uint4(0u, 0u, 0u, 0u);  // padding blocks quantize zeros: scale byte 0
       if (in[c]) raw[c] = ld_stream16(src + r[c] * K + j[c] * 128 + ul * E);
     }
@@ -109,8 +116,8 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
 #pragma unroll
       for (int o = G::kLanesPerBlock; o < G::kLanesPerUnit; o <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
       const int s = 4 * j[c] + (words ? 0 : b);
-      const int64_t off = blocked ? (int64_t)mx::blocked_offset(r[c], s, S) : r[c] * S + s;
-      if (r[c] < out_rows) {
+      const int64_t off = blocked ? (int64_t)mx::blocked_offset(o[c], s, S) : o[c] * S + s;
+      if (o[c] < out_rows) {
         if (words) {
           if (ul == 0) *reinterpret_cast<uint32_t*>(scales + off) = word;
         } else if (ul % G::kLanesPerBlock == 0 && (blocked || s < S)) {  // one byte per block
@@ -291,10 +298,11 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 template <typename T>
-cudaError_t launch_quantize(const void* src, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales, bool blocked,
-                            cudaStream_t stream) {
+cudaError_t launch_quantize(const void* src, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales, int64_t mat_rows,
+                            bool blocked, cudaStream_t stream) {
   const int64_t S = K / kMxfp8ScaleBlock;
-  const int64_t units = (blocked ? mxfp8_scale_row_groups(R) * 128 : R) * mxfp8_scale_col_groups(S);
+  const int64_t out_rows = blocked ? R / mat_rows * mxfp8_scale_row_groups(mat_rows) * 128 : R;
+  const int64_t units = out_rows * mxfp8_scale_col_groups(S);
   if (units == 0) return cudaSuccess;
   // Word stores need 4 contiguous, aligned bytes per unit: always in the blocked layout,
   // row-major only when S % 4 == 0; otherwise each block's first lane stores its byte.
@@ -304,17 +312,19 @@ cudaError_t launch_quantize(const void* src, int64_t R, int64_t K, uint8_t* vals
   const int64_t steps = (units + QuantGeom<T>::kUnitsPerStep - 1) / QuantGeom<T>::kUnitsPerStep;
   const int grid = (int)(steps < (1 << 30) ? steps : (1 << 30));
   quantize_kernel<T><<<grid, kThreadsPerCta, 0, stream>>>(static_cast<const T*>(src), R, (int)K, vals, scales,
-                                                          units, blocked, words);
+                                                          units, mat_rows, blocked, words);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t quantize_mxfp8(const void* src, FloatKind kind, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales,
-                           bool blocked, cudaStream_t stream) {
+                           int64_t mat_rows, bool blocked, cudaStream_t stream) {
   if (K % kMxfp8ScaleBlock != 0 || K <= 0 || R < 0) return cudaErrorInvalidValue;
-  return kind == FloatKind::kBf16 ? launch_quantize<__nv_bfloat16>(src, R, K, vals, scales, blocked, stream)
-                                  : launch_quantize<float>(src, R, K, vals, scales, blocked, stream);
+  if (R == 0) return cudaSuccess;
+  if (mat_rows <= 0 || R % mat_rows != 0) return cudaErrorInvalidValue;
+  return kind == FloatKind::kBf16 ? launch_quantize<__nv_bfloat16>(src, R, K, vals, scales, mat_rows, blocked, stream)
+                                  : launch_quantize<float>(src, R, K, vals, scales, mat_rows, blocked, stream);
 }
 
 cudaError_t dequantize_mxfp8(const uint8_t* vals, const uint8_t* scales, int64_t R, int64_t K, void* out,

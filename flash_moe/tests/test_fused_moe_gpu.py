@@ -146,6 +146,22 @@ PAIR_CASES = [
 ]
 
 
+def test_default_bpc_takes_the_preferred_value(kernel, monkeypatch):
+    """bpc=None (the default) takes preferred_bpc of the call's shape: 2 where experts average at
+    least two m-blocks, else 1; an explicit value wins; the bits are the same either way."""
+    seen = []
+    real = kernel.ops.fused_moe_bf16
+    monkeypatch.setattr(kernel.ops, "fused_moe_bf16", lambda *a: (seen.append(a[13]), real(*a))[1])
+    for M, E, want in ((1024, 4, 2), (256, 8, 1)):  # 2048 slots vs 2*128*4; 512 vs 2*128*8
+        x, w, w2, ids, wt = _inputs(M, 512, 256, E, 2, seed=M)
+        assert kernel.preferred_bpc(M, 512, 256, E, 2) == want
+        seen.clear()
+        default = _run(kernel, x, w, w2, ids, wt).clone()
+        explicit = _run(kernel, x, w, w2, ids, wt, bpc=3 - want)
+        assert seen == [want, 3 - want]
+        assert torch.equal(default, explicit)
+
+
 @pytest.mark.parametrize("M,K,I,E,top_k,drop,one,stages", PAIR_CASES)
 def test_pairs_bit_identical_to_single(kernel, M, K, I, E, top_k, drop, one, stages):
     x, w, w2, ids, wt = _inputs(M, K, I, E, top_k, seed=M + K + I, drop=drop, one_expert=one)

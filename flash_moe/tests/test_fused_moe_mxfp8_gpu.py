@@ -180,8 +180,8 @@ def _dequantized(reference, q):
     xq, xs, wq, ws, w2q, w2s = q
     E, N, K = wq.shape
     I = N // 2
-    wsr = reference.unpack_scales_blocked(ws, E * N, K // 32).view(E, N, K // 32)
-    w2sr = reference.unpack_scales_blocked(w2s, E * K, I // 32).view(E, K, I // 32)
+    wsr = reference.unpack_scales_blocked(ws, E, N, K // 32)
+    w2sr = reference.unpack_scales_blocked(w2s, E, K, I // 32)
     return (reference.dequantize_mxfp8(xq, xs), reference.dequantize_mxfp8(wq, wsr),
             reference.dequantize_mxfp8(w2q, w2sr))
 
@@ -484,3 +484,37 @@ def test_bad_inputs(kernel):
          w2=torch.zeros(4, 256, 40, device="cuda").to(torch.float8_e4m3fn))
     _bad(kernel, "stages", stages=9)
     _bad(kernel, "bpc", bpc=3)
+
+
+def test_flat_packed_weight_scales_are_refused_where_they_differ(kernel, reference):
+    """Expert-batched weight scales are read packed per expert (pack_scales_blocked of (E, MN, S)).
+    Packing the (E*MN, S) flattening instead gives other bytes when MN % 128 != 0: the op names
+    that mistake instead of reading wrong scales; where the two agree, both are the same tensor."""
+    for K, differs in ((320, True), (256, False)):  # w2's MN is K
+        d = _inputs(kernel, 64, K, 128, 4, 2, seed=K)
+        w2_rm = kernel.quantize_mxfp8(d["w2"])[1]
+        flat = reference.pack_scales_blocked(_bytes(w2_rm).reshape(-1, w2_rm.shape[-1]).cpu())
+        per_expert = kernel.pack_scales_blocked(w2_rm)
+        assert torch.equal(_bytes(per_expert), _bytes(d["q"][5]))  # quantize_mxfp8(blocked=True) agrees
+        q = list(d["q"])
+        q[5] = _e8m0(flat.cuda())
+        if differs:
+            with pytest.raises(RuntimeError, match=r"w2_scales holds .* flattening .* packed as one matrix.*"
+                                                   r"not a multiple of 128.*pack_scales_blocked"):
+                _run(kernel, dict(d, q=tuple(q)))
+        else:
+            assert torch.equal(_bytes(q[5]), _bytes(d["q"][5]))
+
+
+def test_default_bpc_is_preferred_and_bit_identical(kernel, monkeypatch):
+    """bpc=None (the default) takes preferred_bpc of the call's shape; bits never depend on bpc."""
+    d = _inputs(kernel, 1024, 512, 256, 4, 2, seed=21)  # 2048 slots >= 2 * 128 * 4: preferred 2 for bf16
+    assert kernel.preferred_bpc(1024, 512, 256, 4, 2) == 2
+    assert kernel.preferred_bpc(1024, 512, 256, 4, 2, mxfp8=True) == 1
+    seen = []
+    real = kernel.ops.fused_moe_mxfp8
+    monkeypatch.setattr(kernel.ops, "fused_moe_mxfp8", lambda *a: (seen.append(a[16]), real(*a))[1])
+    default = _run(kernel, d).clone()
+    assert seen == [1]
+    assert torch.equal(default, _run(kernel, d, bpc=2)) and torch.equal(default, _run(kernel, d, bpc=1))
+    assert seen[1:] == [2, 1]

@@ -131,11 +131,33 @@ def test_unpack_3d_weights(reference):
         v_rm, s_rm = reference.quantize_mxfp8(t)
         v_bl, s_bl = reference.quantize_mxfp8(t, blocked=True)
         assert torch.equal(v_rm.view(torch.uint8), v_bl.view(torch.uint8))
-        R, S = t.shape[0] * t.shape[1], t.shape[2] // 32
-        assert s_rm.shape == (t.shape[0], t.shape[1], S)
-        assert s_bl.dim() == 1 and s_bl.numel() == (R + 127) // 128 * 128 * ((S + 3) // 4 * 4)
-        back = reference.unpack_scales_blocked(s_bl, R, S)
-        assert torch.equal(back.view(torch.uint8), s_rm.reshape(R, S).view(torch.uint8))
+        R, S = t.shape[1], t.shape[2] // 32
+        assert s_rm.shape == (E, R, S)
+        # each expert's (R, S) matrix packed on its own
+        assert s_bl.dim() == 1 and s_bl.numel() == E * ((R + 127) // 128 * 128) * ((S + 3) // 4 * 4)
+        back = reference.unpack_scales_blocked(s_bl, E, R, S)
+        assert torch.equal(back.view(torch.uint8), s_rm.view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(3, 96, 5), (2, 128, 4), (4, 192, 24), (2, 3, 64, 2), (1, 130, 7)])
+def test_pack_3d_is_per_expert_packing(reference, shape):
+    """(..., R, S) scales pack each leading index on its own, concatenated: what prime-rl passes
+    (torchao's to_mx of (E, 2I, K) weights gives (E, 2I, K/32) scales) and fused_moe_mxfp8 reads."""
+    g = torch.Generator().manual_seed(sum(shape))
+    sc = torch.randint(0, 256, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+    mats = sc.reshape(-1, *shape[-2:])
+    want = torch.cat([reference.pack_scales_blocked(m) for m in mats])
+    got = reference.pack_scales_blocked(sc)
+    assert torch.equal(got, want)
+    e8 = reference.pack_scales_blocked(sc.view(torch.float8_e8m0fnu))
+    assert e8.dtype == torch.float8_e8m0fnu and torch.equal(e8.view(torch.uint8), want)
+    # per-expert packing differs from packing the (E*R, S) flattening exactly when R % 128 != 0
+    flat = reference.pack_scales_blocked(sc.reshape(-1, shape[-1]))
+    R = shape[-2]
+    assert (flat.numel() == got.numel() and torch.equal(flat, got)) == (R % 128 == 0 or mats.shape[0] == 1)
+    assert torch.equal(reference.unpack_scales_blocked(got, *shape), sc)
+    with pytest.raises(ValueError, match=r"must be \(\.\.\., R, S\)"):
+        reference.pack_scales_blocked(sc.reshape(-1)[:5])
 
 
 # ---------------------------------------------------------------- fused_moe_mxfp8 reference
@@ -159,8 +181,8 @@ def _deq(reference, d, dtype=torch.float32):
     """Dequantized x, w, w2 (row-major scales recovered from the blocked ones)."""
     E, N, K = d["wq"].shape
     I = N // 2
-    ws = reference.unpack_scales_blocked(d["ws"], E * N, K // 32).view(E, N, K // 32)
-    w2s = reference.unpack_scales_blocked(d["w2s"], E * K, I // 32).view(E, K, I // 32)
+    ws = reference.unpack_scales_blocked(d["ws"], E, N, K // 32)
+    w2s = reference.unpack_scales_blocked(d["w2s"], E, K, I // 32)
     return (reference.dequantize_mxfp8(d["xq"], d["xs"], dtype), reference.dequantize_mxfp8(d["wq"], ws, dtype),
             reference.dequantize_mxfp8(d["w2q"], w2s, dtype))
 

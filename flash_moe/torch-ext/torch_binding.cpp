@@ -204,6 +204,21 @@ void check_scales(const at::Tensor& s, const at::Tensor& x, int64_t numel, const
            " (shape ", s.sizes(), ")");
 }
 
+// Expert-batched weight scales: pack_scales_blocked of (E, R, S), each expert packed on its own.
+// Packing the (E*R, S) flattening as one matrix gives other bytes when R % 128 != 0; its size
+// differs then too, so that mistake is named rather than read as the wrong scales.
+void check_weight_scales(const at::Tensor& s, const at::Tensor& x, int64_t E, int64_t R, int64_t S, const char* op,
+                         const char* name, const char* shape) {
+  const int64_t want = E * flash_moe::mxfp8_blocked_scale_bytes(R, S);
+  const int64_t flat = flash_moe::mxfp8_blocked_scale_bytes(E * R, S);
+  FM_CHECK(!(s.numel() == flat && flat != want), op, ": ", name, " holds ", s.numel(),
+           " scales: the (E*R, S) flattening of its ", shape, " scales packed as one matrix, which differs from",
+           " packing each expert on its own when R = ", R, " is not a multiple of 128; pass the 3-D scales to",
+           " pack_scales_blocked (or quantize_mxfp8(weights, blocked=True)), which packs each expert on its own");
+  const std::string layout = std::string("pack_scales_blocked of the ") + shape + " scales, each expert packed on its own";
+  check_scales(s, x, want, op, name, layout.c_str());
+}
+
 // The routing, shape and tuning fields both ops' launcher arguments share.
 template <class Args>
 void set_routing(Args& a, const MoeDims& d, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
@@ -277,10 +292,8 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   FM_CHECK(x_scales.dim() == 2 && x_scales.size(0) == d.M && x_scales.size(1) == d.K / blk, op,
            ": x_scales must have shape (M, K/32) = (", d.M, ", ", d.K / blk, "), row-major, got ", x_scales.sizes());
   check_scales(x_scales, x, d.M * (d.K / blk), op, "x_scales", "row-major (M, K/32)");
-  check_scales(w_scales, x, flash_moe::mxfp8_blocked_scale_bytes(d.E * 2 * d.I, d.K / blk), op, "w_scales",
-               "pack_scales_blocked of the (E*2I, K/32) scales");
-  check_scales(w2_scales, x, flash_moe::mxfp8_blocked_scale_bytes(d.E * d.K, d.I / blk), op, "w2_scales",
-               "pack_scales_blocked of the (E*K, I/32) scales");
+  check_weight_scales(w_scales, x, d.E, 2 * d.I, d.K / blk, op, "w_scales", "(E, 2I, K/32)");
+  check_weight_scales(w2_scales, x, d.E, d.K, d.I / blk, op, "w2_scales", "(E, K, I/32)");
   check_aligned16(w_scales, op, "w_scales");
   check_aligned16(w2_scales, op, "w2_scales");
   if (d.M == 0) return;
@@ -316,16 +329,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8(const at::Tensor& t, bool bloc
            ": t.size(-1) must be a positive multiple of 32 (the MXFP8 scale block), got ", K);
   check_aligned16(t, op, "t");
   const int64_t R = t.numel() / K, S = K / flash_moe::kMxfp8ScaleBlock;
+  // blocked: each (mat_rows, S) matrix of the leading indices packed on its own; a 1-D t is one row.
+  const int64_t mat_rows = t.dim() >= 2 ? t.size(-2) : 1;
+  const int64_t mats = mat_rows > 0 ? R / mat_rows : 0;
   const c10::cuda::CUDAGuard guard(t.device());
   at::Tensor vals = at::empty(t.sizes(), t.options().dtype(at::kFloat8_e4m3fn));
   std::vector<int64_t> sshape(t.sizes().begin(), t.sizes().end());
   sshape.back() = S;
-  at::Tensor scales = blocked ? at::empty({flash_moe::mxfp8_blocked_scale_bytes(R, S)},
+  at::Tensor scales = blocked ? at::empty({mats * flash_moe::mxfp8_blocked_scale_bytes(mat_rows, S)},
                                           t.options().dtype(at::kFloat8_e8m0fnu))
                               : at::empty(sshape, t.options().dtype(at::kFloat8_e8m0fnu));
   const cudaError_t err = flash_moe::quantize_mxfp8(
       t.data_ptr(), t.scalar_type() == at::kBFloat16 ? flash_moe::FloatKind::kBf16 : flash_moe::FloatKind::kFp32, R,
-      K, static_cast<uint8_t*>(vals.data_ptr()), static_cast<uint8_t*>(scales.data_ptr()), blocked,
+      K, static_cast<uint8_t*>(vals.data_ptr()), static_cast<uint8_t*>(scales.data_ptr()), mat_rows, blocked,
       at::cuda::getCurrentCUDAStream());
   FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
   return {vals, scales};

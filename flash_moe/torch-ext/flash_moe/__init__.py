@@ -10,10 +10,12 @@ Public surface (DESIGN §5):
   num_tokens_post_padded, topk_weights, out, top_k, ...)`` -> out: the same MoE with MXFP8 (e4m3
   + e8m0 per 32 elements) inputs, exact MX semantics.
 - ``quantize_mxfp8(t, blocked=False)`` / ``dequantize_mxfp8(vals, scales)`` on the GPU (DESIGN §6),
-  ``pack_scales_blocked(scales)`` (pure PyTorch, runs on the GPU too).
+  ``pack_scales_blocked(scales)`` ((..., MN, K/32) -> flat, each leading index packed on its own;
+  pure PyTorch, runs on the GPU too).
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights)``: align + fused op in one call.
 - ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False)``: the ``bpc``
-  (1, or 2 = CTA pairs) measured fastest for a shape; ``moe`` uses it.
+  (1, or 2 = CTA pairs) measured fastest for a shape; both fused ops use it when ``bpc=None``
+  (their default).
 - ``BLOCK_M``, ``MXFP8_SCALE_BLOCK``, ``unsupported_shape_reason``, and ``reference``
   (pure-PyTorch references of every op).
 """
@@ -89,6 +91,14 @@ def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, 
     return 2
 
 
+def _default_bpc(x: torch.Tensor, w: torch.Tensor, top_k: int, *, mxfp8: bool) -> int:
+    # Shapes are only read when they are what the op accepts; anything else gets bpc=1 and the
+    # op's own check names the bad argument.
+    if x.dim() != 2 or w.dim() != 3:
+        return 1
+    return preferred_bpc(x.shape[0], x.shape[1], w.shape[1] // 2, w.shape[0], int(top_k), mxfp8=mxfp8)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
     """Group the flat routing slots by expert for the fused MoE kernel.
 
@@ -127,7 +137,7 @@ def fused_moe_bf16(
     block_n: int = BLOCK_N,
     warp_n: int = WARP_N,
     stages: int = STAGES,
-    bpc: int = 1,
+    bpc: int | None = None,
     cpc: int = 1,
     split: bool = True,
 ) -> torch.Tensor:
@@ -149,7 +159,9 @@ def fused_moe_bf16(
         out: (M, K) bf16, written in place and returned.
         top_k: routing fan-out, 1..16.
         block_m, block_n, warp_n, stages, bpc, cpc: tuning; accepted values are exactly
-            block_m=128, block_n=128, warp_n=128, stages in {3, 4}, bpc in {1, 2}, cpc=1.
+            block_m=128, block_n=128, warp_n=128, stages in {3, 4}, bpc in {None, 1, 2}, cpc=1.
+            bpc=None (the default) takes `preferred_bpc` of the call's shape, the value
+            measured fastest; the output bits do not depend on bpc, only the time does.
             bpc=2 runs both GEMMs as clusters of two CTAs: two m-blocks of one expert share
             each weight load (TMA multicast) and split their live slots evenly between the
             two CTAs; an expert's odd last block splits its n-blocks over the pair, or, when
@@ -163,6 +175,8 @@ def fused_moe_bf16(
     bf16; the top-k sum is done in fp32 in ascending k order (deterministic: bit-identical
     output run after run, no float atomics). CUDA-graph capturable.
     """
+    if bpc is None:
+        bpc = _default_bpc(x, w, top_k, mxfp8=False)
     ops.fused_moe_bf16(
         x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
         int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc), bool(split),
@@ -187,7 +201,7 @@ def fused_moe_mxfp8(
     block_n: int = BLOCK_N,
     warp_n: int = WARP_N,
     stages: int = STAGES_MXFP8,
-    bpc: int = 1,
+    bpc: int | None = None,
     cpc: int = 1,
     split: bool = True,
 ) -> torch.Tensor:
@@ -197,13 +211,16 @@ def fused_moe_mxfp8(
     Args:
         x: (M, K) float8_e4m3fn; x_scales: (M, K/32) float8_e8m0fnu, row-major (one scale per
             32 consecutive elements of a row).
-        w: (E, 2I, K) float8_e4m3fn, cat([gate, up], dim=1); w_scales: the flat blocked layout
-            of its (E*2I, K/32) scales, i.e. `quantize_mxfp8(w, blocked=True)[1]`.
-        w2: (E, K, I) float8_e4m3fn; w2_scales: blocked layout of its (E*K, I/32) scales.
+        w: (E, 2I, K) float8_e4m3fn, cat([gate, up], dim=1); w_scales: `pack_scales_blocked`
+            of its (E, 2I, K/32) scales (each expert packed on its own), i.e.
+            `quantize_mxfp8(w, blocked=True)[1]`.
+        w2: (E, K, I) float8_e4m3fn; w2_scales: `pack_scales_blocked` of its (E, K, I/32) scales.
+            Packing the (E*K, I/32) flattening as one matrix instead is refused where it differs
+            (K % 128 != 0) with an error that says so.
         K and I multiples of 64 (`unsupported_shape_reason(K, I, mxfp8=True)` says so).
             Routing buffers, topk_weights, out, top_k, split: as in `fused_moe_bf16`.
-            stages: 6 (the only depth implemented). bpc: 1 or 2, as in `fused_moe_bf16`
-            (2 measured no faster for MXFP8: `preferred_bpc(..., mxfp8=True)` is 1). block_m,
+            stages: 6 (the only depth implemented). bpc: None, 1 or 2, as in `fused_moe_bf16`
+            (None takes `preferred_bpc(..., mxfp8=True)`, which is 1: 2 measured no faster). block_m,
             block_n, warp_n, cpc: the bf16 op's only values.
 
     Semantics (exact MX): every product (q_a 2^sa)(q_b 2^sb) is exact and sums are fp32. The
@@ -221,6 +238,8 @@ def fused_moe_mxfp8(
     decides this on the GPU on each call (no host sync); otherwise the call takes the bf16
     path. Environment variable FLASH_MOE_MXFP8_GENERAL=1 forces the bf16 path (for tests).
     """
+    if bpc is None:
+        bpc = _default_bpc(x, w, top_k, mxfp8=True)
     ops.fused_moe_mxfp8(
         x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
         topk_weights, out, int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc),
@@ -233,9 +252,9 @@ def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
     """MXFP8-quantize `t` along its last dim (DESIGN §6): returns (vals, scales).
 
     t: bf16 or fp32, last dim K a multiple of 32, contiguous. vals: float8_e4m3fn, t's shape.
-    scales: float8_e8m0fnu, shape t.shape[:-1] + (K/32,) row-major, or with blocked=True the
-    flat blocked layout of the (numel/K, K/32) scale matrix (what fused_moe_mxfp8 takes for
-    w_scales / w2_scales). RCEIL scales, saturating round-to-nearest-even values; a block
+    scales: float8_e8m0fnu, shape t.shape[:-1] + (K/32,) row-major, or with blocked=True
+    `pack_scales_blocked` of those: flat, each leading index's (MN, K/32) matrix packed on its own
+    (what fused_moe_mxfp8 takes for w_scales / w2_scales of (E, MN, K) weights). RCEIL scales, saturating round-to-nearest-even values; a block
     holding NaN/Inf gets scale byte 255. Runs on the GPU for CUDA tensors (bit-exact to
     `reference.quantize_mxfp8`), on the reference otherwise.
     """
@@ -264,18 +283,16 @@ def moe(x, w1, w2, w3, topk_ids, topk_weights, out=None, split=True):
         out: optional (M, K) bf16 output (split=False adds into it).
 
     Note: concatenates w1 and w3 into (E, 2I, K) on every call; callers on a hot path should
-    keep the concatenated weight and call `moe_align` + `fused_moe_bf16` directly (with
-    `bpc=preferred_bpc(...)`, as here).
+    keep the concatenated weight and call `moe_align` + `fused_moe_bf16` directly.
     """
-    E, I, K = w1.shape
+    E = w1.shape[0]
     top_k = topk_ids.shape[1]
     w = torch.cat([w1, w3], dim=1).contiguous()
     sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), E)
     if out is None:
         out = torch.empty_like(x)
     return fused_moe_bf16(x, w, w2.contiguous(), sorted_ids, expert_ids, ntpp,
-                          topk_weights.to(torch.float32).contiguous(), out, top_k,
-                          bpc=preferred_bpc(x.shape[0], K, I, E, top_k), split=split)
+                          topk_weights.to(torch.float32).contiguous(), out, top_k, split=split)
 
 
 # ---------------------------------------------------------------- fake kernels (meta / compile)
@@ -309,9 +326,11 @@ def _quantize_mxfp8_fake(t, blocked):
     K = t.shape[-1]
     S = K // MXFP8_SCALE_BLOCK
     vals = t.new_empty(t.shape, dtype=torch.float8_e4m3fn)
-    if blocked:
-        Rp, Sp = reference.blocked_padded_shape(t.numel() // K, S)
-        scales = t.new_empty((Rp * Sp,), dtype=torch.float8_e8m0fnu)
+    if blocked:  # each (mat_rows, S) matrix of the leading indices packed on its own
+        mat_rows = t.shape[-2] if t.dim() >= 2 else 1
+        mats = t.numel() // (K * mat_rows) if mat_rows else 0
+        Rp, Sp = reference.blocked_padded_shape(mat_rows, S)
+        scales = t.new_empty((mats * Rp * Sp,), dtype=torch.float8_e8m0fnu)
     else:
         scales = t.new_empty((*t.shape[:-1], S), dtype=torch.float8_e8m0fnu)
     return vals, scales

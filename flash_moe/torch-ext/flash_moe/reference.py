@@ -21,6 +21,8 @@ The references define the semantics the CUDA kernels are held to:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 BLOCK_M = 128
@@ -140,9 +142,10 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
     """Reference of `flash_moe.fused_moe_mxfp8`: `fused_moe_bf16`'s computation on the exactly
     dequantized MXFP8 inputs.
 
-    x (M, K) e4m3 with x_scales (M, K/32) e8m0 row-major; w (E, 2I, K) e4m3 with w_scales the flat
-    blocked layout of its (E*2I, K/32) scales; w2 (E, K, I) e4m3 with w2_scales the flat blocked
-    layout of its (E*K, I/32) scales (what `quantize_mxfp8(..., blocked=True)` returns). Scales may
+    x (M, K) e4m3 with x_scales (M, K/32) e8m0 row-major; w (E, 2I, K) e4m3 with w_scales
+    `pack_scales_blocked` of its (E, 2I, K/32) scales; w2 (E, K, I) e4m3 with w2_scales
+    `pack_scales_blocked` of its (E, K, I/32) scales (each expert packed on its own, what
+    `quantize_mxfp8(..., blocked=True)` returns). Scales may
     be float8_e8m0fnu or uint8 bytes. block_n, warp_n, stages, bpc, cpc are the kernel's tuning
     arguments; they do not change the result and are ignored here.
     """
@@ -153,8 +156,8 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
         raise ValueError(f"fused_moe_mxfp8: K and I must be multiples of 32, got K={K}, I={I}")
     if tuple(x_scales.shape) != (M, K // MXFP8_SCALE_BLOCK):
         raise ValueError(f"fused_moe_mxfp8: x_scales must have shape ({M}, {K // 32}), got {tuple(x_scales.shape)}")
-    ws = unpack_scales_blocked(w_scales, E * N, K // MXFP8_SCALE_BLOCK).view(E, N, K // MXFP8_SCALE_BLOCK)
-    w2s = unpack_scales_blocked(w2_scales, E * K, I // MXFP8_SCALE_BLOCK).view(E, K, I // MXFP8_SCALE_BLOCK)
+    ws = unpack_scales_blocked(w_scales, E, N, K // MXFP8_SCALE_BLOCK)
+    w2s = unpack_scales_blocked(w2_scales, E, K, I // MXFP8_SCALE_BLOCK)
     xf = dequantize_mxfp8(x, x_scales)
 
     def expert_weights(e):  # one expert at a time: the whole fp32 weight set can be tens of GB
@@ -219,8 +222,9 @@ def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
     """MXFP8 quantization along the last dim (blocks of 32): returns (values e4m3, scales e8m0).
 
     scales are `torch.float8_e8m0fnu` (one biased-exponent byte each, as rmsnorm returns them;
-    `.view(torch.uint8)` gives the bytes), row-major (R, K/32) unless blocked=True (then
-    `pack_scales_blocked` of them).
+    `.view(torch.uint8)` gives the bytes), row-major t.shape[:-1] + (K/32,) unless blocked=True
+    (then `pack_scales_blocked` of them: each leading index's matrix packed on its own; a 1-D t
+    is one row).
     """
     K = t.shape[-1]
     if K % MXFP8_SCALE_BLOCK != 0:
@@ -238,7 +242,7 @@ def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
     vals = q.to(torch.float8_e4m3fn).reshape(t.shape)
     scales = byte.reshape(*t.shape[:-1], K // MXFP8_SCALE_BLOCK)
     if blocked:
-        scales = pack_scales_blocked(scales.reshape(-1, K // MXFP8_SCALE_BLOCK))
+        scales = pack_scales_blocked(scales if scales.dim() >= 2 else scales[None])
     return vals, scales.view(torch.float8_e8m0fnu)
 
 
@@ -253,31 +257,42 @@ def blocked_padded_shape(R: int, S: int) -> tuple[int, int]:
 
 
 def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
-    """(R, S) scale bytes (uint8 or float8_e8m0fnu) -> flat, same dtype, in the 128x4 blocked layout
-    (R padded to 128, S to 4, zeros)."""
+    """(..., R, S) scale bytes (uint8 or float8_e8m0fnu) -> flat, same dtype, in the 128x4 blocked
+    layout: each (R, S) matrix of the leading indices packed on its own (R padded to 128, S to 4,
+    zeros), the packs concatenated in index order. A 2-D (R, S) input is one matrix.
+
+    This is the layout `fused_moe_mxfp8` reads for expert-batched weight scales, (E, 2I, K/32) and
+    (E, K, I/32): expert e's pack starts at e * ceil(R/128) * 128 * ceil(S/4) * 4 bytes. It equals
+    packing the (E*R, S) flattening as one matrix only when R % 128 == 0.
+    """
+    if scales.dim() < 2:
+        raise ValueError(f"pack_scales_blocked: scales must be (..., R, S), got shape {tuple(scales.shape)}")
     dtype = scales.dtype
     scales = scales.view(torch.uint8) if dtype == torch.float8_e8m0fnu else scales
-    R, S = scales.shape
+    *lead, R, S = scales.shape
+    B = math.prod(lead)
     Rp, Sp = blocked_padded_shape(R, S)
-    p = torch.zeros(Rp, Sp, dtype=torch.uint8, device=scales.device)
-    p[:R, :S] = scales.to(torch.uint8)
-    # (Rp/128, 4, 32, Sp/4, 4) -> (Rp/128, Sp/4, 32, 4(r%128//32), 4(s%4))
-    b = p.view(Rp // 128, 4, 32, Sp // 4, 4).permute(0, 3, 2, 1, 4)
+    p = torch.zeros(B, Rp, Sp, dtype=torch.uint8, device=scales.device)
+    p[:, :R, :S] = scales.reshape(B, R, S).to(torch.uint8)
+    # (B, Rp/128, 4, 32, Sp/4, 4) -> (B, Rp/128, Sp/4, 32, 4(r%128//32), 4(s%4))
+    b = p.view(B, Rp // 128, 4, 32, Sp // 4, 4).permute(0, 1, 4, 3, 2, 5)
     return b.reshape(-1).contiguous().view(dtype if dtype == torch.float8_e8m0fnu else torch.uint8)
 
 
-def unpack_scales_blocked(flat: torch.Tensor, R: int, S: int) -> torch.Tensor:
-    """Inverse of `pack_scales_blocked`: the flat blocked layout -> the (R, S) row-major matrix,
-    same dtype (uint8 or float8_e8m0fnu). The padding bytes are dropped."""
+def unpack_scales_blocked(flat: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Inverse of `pack_scales_blocked`: the flat blocked layout -> the row-major scales of
+    `shape` = (..., R, S), same dtype (uint8 or float8_e8m0fnu). The padding bytes are dropped."""
     dtype = flat.dtype
     b = flat.view(torch.uint8) if dtype == torch.float8_e8m0fnu else flat
+    *lead, R, S = shape
+    B = math.prod(lead)
     Rp, Sp = blocked_padded_shape(R, S)
-    if b.numel() != Rp * Sp:
-        raise ValueError(f"unpack_scales_blocked: a ({R}, {S}) scale matrix packs to {Rp * Sp} bytes, "
+    if b.numel() != B * Rp * Sp:
+        raise ValueError(f"unpack_scales_blocked: scales of shape {tuple(shape)} packs to {B * Rp * Sp} bytes, "
                          f"got {b.numel()}")
-    # The permutation swaps dims 1 and 3 of (Rp/128, 4, 32, Sp/4, 4): it is its own inverse.
-    p = b.reshape(Rp // 128, Sp // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(Rp, Sp)
-    return p[:R, :S].contiguous().view(dtype)
+    # The permutation swaps dims 2 and 4 of (B, Rp/128, 4, 32, Sp/4, 4): it is its own inverse.
+    p = b.reshape(B, Rp // 128, Sp // 4, 32, 4, 4).permute(0, 1, 4, 3, 2, 5).reshape(B, Rp, Sp)
+    return p[:, :R, :S].reshape(*shape).contiguous().view(dtype)
 
 
 def _e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
