@@ -56,6 +56,7 @@ __all__ = [
     "fused_rmsnorm_residual_backward",
     "fused_rmsnorm_residual_with_grad_port",
     "scales_numel",
+    "layers",
     "reference",
 ]
 
@@ -198,3 +199,7 @@ torch.library.register_autograd(
     _port_backward,
     setup_context=_port_setup_context,
 )
+
+
+# Last: the layers call the functions above.
+from . import layers  # noqa: E402
