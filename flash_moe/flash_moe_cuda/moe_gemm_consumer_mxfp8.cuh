@@ -105,11 +105,12 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const int row = mxfp8_tile_row<kKind>(cw, b, 16 * w4 + (lane >> 2) + 8 * h);
         const int box = row >> 7, rib = row & 127;
         const int box_row0 = n0 + (box ? p.b_second : 0);
-        const int64_t g0 = (int64_t)tile.e * p.scale_rows + box_row0;  // rows in the scale layout
+        // g: the row in the scale layout (experts packed on their own, scale_rows apart). For
+        // gate/up that is the weight row (2I % 128 == 0), the index of the f16 window's w_top.
+        const int64_t g0 = (int64_t)tile.e * (kKind == Kind::kGateUp ? p.b_rows : p.scale_rows) + box_row0;
         const int64_t g = g0 + rib;
         live[b][h] = box_row0 + rib < p.b_rows;
-        if constexpr (kT == RsType::kF16)
-          top[b][h] = live[b][h] ? p.w_top[(int64_t)tile.e * p.b_rows + box_row0 + rib] : (uint32_t)mx::kTopMin;
+        if constexpr (kT == RsType::kF16) top[b][h] = live[b][h] ? p.w_top[g] : (uint32_t)mx::kTopMin;
         if (b == 0) q_off[h] = Plan::kTokBytes + box * Plan::kFp8BoxBytes + rib * 64 + ((cq ^ ((rib >> 1) & 3)) << 4);
         sc_off[b][h] = Plan::kTokBytes + 2 * Plan::kFp8BoxBytes +
                        (box * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +

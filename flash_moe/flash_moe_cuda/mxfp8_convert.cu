@@ -24,9 +24,12 @@ int grid_for(int64_t chunks) {
 // "unit" = 4 blocks = scale columns 4j..4j+3 of one row (kLanesPerUnit lanes), whose 4 scale
 // bytes are contiguous in the blocked layout (and row-major when S % 4 == 0): they are OR-
 // gathered by shuffles and stored as one word by the unit's first lane. Units are numbered
-// row-major over (out_rows, S4) with out_rows = R, or, when blocked, the R / mat_rows matrices
-// of mat_rows rows each padded to a multiple of 128 (each matrix packed on its own): the padding
-// rows' units load nothing and store zero words, so the padding needs no memset.
+// row-major over (out_rows, S4) with out_rows = R, or R rounded up to 128 when blocked: the
+// padding rows' units load nothing and store zero words, so the padding needs no memset.
+// kPerMatrix (blocked): the R rows are R / mat_rows matrices, each packed on its own, so every
+// matrix's rows are padded to a multiple of 128 and a scale row maps back to a source row with a
+// division. It is instantiated only where the packings differ (mat_rows % 128 != 0, several
+// matrices), so the common shapes keep the division-free loop.
 constexpr int kSlots = 4;  // 64 B of loads in flight per thread
 
 template <typename T>
@@ -45,7 +48,7 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
   return v;
 }
 
-template <typename T>
+template <typename T, bool kPerMatrix>
 __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __restrict__ src, int64_t R, int K,
                                                                    uint8_t* __restrict__ vals,
                                                                    uint8_t* __restrict__ scales, int64_t units,
@@ -54,15 +57,15 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
   constexpr int E = G::kElems;
   const int S = K / kMxfp8ScaleBlock;
   const int S4 = (S + 3) / 4;
-  // Scale rows written per matrix and in all (units = out_rows * S4); row-major: one matrix of R rows.
-  const int64_t mat_out_rows = blocked ? (mat_rows + 127) / 128 * 128 : R;
-  const int64_t out_rows = blocked ? R / mat_rows * mat_out_rows : R;
+  const int64_t mat_out_rows = (mat_rows + 127) / 128 * 128;  // kPerMatrix: one matrix's scale rows
+  // scale rows written (units = out_rows * S4)
+  const int64_t out_rows = kPerMatrix ? R / mat_rows * mat_out_rows : blocked ? (R + 127) / 128 * 128 : R;
   const int ul = threadIdx.x % G::kLanesPerUnit;  // lane within its unit
   const int b = ul / G::kLanesPerBlock;           // block within the unit: scale column 4j + b
   // The loop bound is CTA-uniform, so every lane reaches every shuffle.
   for (int64_t step = blockIdx.x; step * G::kUnitsPerStep < units; step += gridDim.x) {
-    int64_t r[kSlots];  // source row
-    int64_t o[kSlots];  // scale row written: r plus the padding rows of the matrices before it
+    int64_t r[kSlots];       // scale row written
+    int64_t src_row[kSlots];  // the row it quantizes (r, but for kPerMatrix's padding rows)
     int j[kSlots];
     bool in[kSlots];  // a real block (row < R, column < S)
     uint4 raw[kSlots];
@@ -70,14 +73,18 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
     for (int c = 0; c < kSlots; ++c) {
       // slot c of the CTA covers kThreadsPerCta / kLanesPerUnit consecutive units
       const int64_t u = step * G::kUnitsPerStep + (c * kThreadsPerCta + (int)threadIdx.x) / G::kLanesPerUnit;
-      o[c] = u / S4;  // nvcc divides in 32 bits whenever the operands fit
-      j[c] = (int)(u - o[c] * S4);
-      const int64_t mat = o[c] < mat_out_rows ? 0 : o[c] / mat_out_rows;  // one matrix: no division
-      const int64_t row_in_mat = o[c] - mat * mat_out_rows;
-      r[c] = mat * mat_rows + row_in_mat;
-      in[c] = o[c] < out_rows && row_in_mat < mat_rows && 4 * j[c] + b < S;
+      r[c] = u / S4;  // nvcc divides in 32 bits whenever the operands fit
+      j[c] = (int)(u - r[c] * S4);
+      if constexpr (kPerMatrix) {
+        const int64_t mat = r[c] / mat_out_rows, row_in_mat = r[c] - mat * mat_out_rows;
+        src_row[c] = mat * mat_rows + row_in_mat;
+        in[c] = r[c] < out_rows && row_in_mat < mat_rows && 4 * j[c] + b < S;
+      } else {
+        src_row[c] = r[c];
+        in[c] = r[c] < R && 4 * j[c] + b < S;
+      }
       raw[c] = make_uint4(0u, 0u, 0u, 0u);  // padding blocks quantize zeros: scale byte 0
-      if (in[c]) raw[c] = ld_stream16(src + r[c] * K + j[c] * 128 + ul * E);
+      if (in[c]) raw[c] = ld_stream16(src + src_row[c] * K + j[c] * 128 + ul * E);
     }
 #pragma unroll
     for (int c = 0; c < kSlots; ++c) {
@@ -105,7 +112,7 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
         q4[q] = mx::e4m3x2_from_floats(__fmul_rn(f[4 * q], m), __fmul_rn(f[4 * q + 1], m)) |
                 (mx::e4m3x2_from_floats(__fmul_rn(f[4 * q + 2], m), __fmul_rn(f[4 * q + 3], m)) << 16);
       if (in[c]) {
-        uint8_t* const vp = vals + r[c] * K + j[c] * 128 + ul * E;
+        uint8_t* const vp = vals + src_row[c] * K + j[c] * 128 + ul * E;
         if constexpr (E == 8)
           __stcs(reinterpret_cast<uint2*>(vp), make_uint2(q4[0], q4[1]));
         else
@@ -116,8 +123,8 @@ __global__ void __launch_bounds__(kThreadsPerCta) quantize_kernel(const T* __res
 #pragma unroll
       for (int o = G::kLanesPerBlock; o < G::kLanesPerUnit; o <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, o);
       const int s = 4 * j[c] + (words ? 0 : b);
-      const int64_t off = blocked ? (int64_t)mx::blocked_offset(o[c], s, S) : o[c] * S + s;
-      if (o[c] < out_rows) {
+      const int64_t off = blocked ? (int64_t)mx::blocked_offset(r[c], s, S) : r[c] * S + s;
+      if (r[c] < out_rows) {
         if (words) {
           if (ul == 0) *reinterpret_cast<uint32_t*>(scales + off) = word;
         } else if (ul % G::kLanesPerBlock == 0 && (blocked || s < S)) {  // one byte per block
@@ -301,7 +308,10 @@ template <typename T>
 cudaError_t launch_quantize(const void* src, int64_t R, int64_t K, uint8_t* vals, uint8_t* scales, int64_t mat_rows,
                             bool blocked, cudaStream_t stream) {
   const int64_t S = K / kMxfp8ScaleBlock;
-  const int64_t out_rows = blocked ? R / mat_rows * mxfp8_scale_row_groups(mat_rows) * 128 : R;
+  // Per-matrix packing equals packing all R rows as one matrix unless mat_rows % 128 != 0.
+  const bool per_matrix = blocked && mat_rows < R && mat_rows % 128 != 0;
+  const int64_t out_rows = per_matrix ? R / mat_rows * mxfp8_blocked_rows(mat_rows)
+                                      : blocked ? mxfp8_blocked_rows(R) : R;
   const int64_t units = out_rows * mxfp8_scale_col_groups(S);
   if (units == 0) return cudaSuccess;
   // Word stores need 4 contiguous, aligned bytes per unit: always in the blocked layout,
@@ -311,8 +321,9 @@ cudaError_t launch_quantize(const void* src, int64_t R, int64_t K, uint8_t* vals
   // grid-stride loop only matters past the grid-size limit.
   const int64_t steps = (units + QuantGeom<T>::kUnitsPerStep - 1) / QuantGeom<T>::kUnitsPerStep;
   const int grid = (int)(steps < (1 << 30) ? steps : (1 << 30));
-  quantize_kernel<T><<<grid, kThreadsPerCta, 0, stream>>>(static_cast<const T*>(src), R, (int)K, vals, scales,
-                                                          units, mat_rows, blocked, words);
+  auto kernel = per_matrix ? quantize_kernel<T, true> : quantize_kernel<T, false>;
+  kernel<<<grid, kThreadsPerCta, 0, stream>>>(static_cast<const T*>(src), R, (int)K, vals, scales, units, mat_rows,
+                                              blocked, words);
   return cudaGetLastError();
 }
 
