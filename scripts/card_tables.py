@@ -1,0 +1,109 @@
+"""Render each member's H200 results table into its CARD.md, from the committed results JSON.
+
+    python scripts/card_tables.py          # rewrite the tables in place
+    python scripts/card_tables.py --check  # exit 1 if a CARD.md is out of date (a CPU test runs this)
+
+The table sits between `<!-- results:begin -->` and `<!-- results:end -->` in
+`<member>/CARD.md`; everything else in the card is hand-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def _rows(results: dict, op: str, impl: str) -> dict[tuple, dict]:
+    return {tuple(r["shape"].values()): r for r in results["rows"] if r["op"] == op and r["impl"] == impl}
+
+
+def _ms(row: dict | None, rate: str, unit: str) -> str:
+    return "—" if row is None else f"{row['ms']:.3f} ({row[rate]:.0f} {unit})"
+
+
+def _provenance(results: dict) -> str:
+    c = results["ceilings"]
+    return (f"{results['gpu']}, torch {results['torch']}, commit `{results['commit'][:7]}`, {results['date'][:10]}; "
+            f"same-run ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s.")
+
+
+def flash_moe_table(results: dict) -> str:
+    ours = _rows(results, "fused_moe_bf16", "prime-kernels")
+    mx = _rows(results, "fused_moe_mxfp8", "prime-kernels")
+    grouped = _rows(results, "fused_moe_bf16", "grouped_mm")
+    liger = _rows(results, "fused_moe_bf16", "liger")
+    lines = [
+        "| shape (tokens, dim, hidden, experts, top_k) | `fused_moe_bf16` ms (TFLOP/s) | back to back | "
+        "`fused_moe_mxfp8` ms (TFLOP/s) | unfused `grouped_mm` | Liger |",
+        "|---|---|---|---|---|---|",
+    ]
+    for shape, r in ours.items():
+        sustained = r.get("sustained")
+        b2b = f"{sustained['tflops']:.0f} TFLOP/s" if sustained else "—"
+        lines.append(f"| {', '.join(map(str, shape))} | {_ms(r, 'tflops', 'TF/s')} | {b2b} | "
+                     f"{_ms(mx.get(shape), 'tflops', 'TF/s')} | {_ms(grouped.get(shape), 'tflops', 'TF/s')} | "
+                     f"{_ms(liger.get(shape), 'tflops', 'TF/s')} |")
+    return "\n".join(lines + ["", _provenance(results)])
+
+
+def rmsnorm_table(results: dict) -> str:
+    copy = results["ceilings"]["copy_GBps"]
+    cells = {(op, impl): _rows(results, op, impl)
+             for op in ("fused_rmsnorm_residual", "fused_rmsnorm_residual_backward")
+             for impl in ("prime-kernels", "liger", "torch.compile")}
+    lines = [
+        "| (N, C) | forward ms (GB/s) | % of copy | Liger | torch.compile | backward ms (GB/s) | Liger | torch.compile |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for shape, fwd in cells[("fused_rmsnorm_residual", "prime-kernels")].items():
+        bwd = cells[("fused_rmsnorm_residual_backward", "prime-kernels")].get(shape)
+
+        def cell(op, impl):
+            return _ms(cells[(op, impl)].get(shape), "GBps", "GB/s")
+
+        lines.append(f"| {', '.join(map(str, shape))} | {_ms(fwd, 'GBps', 'GB/s')} | {fwd['GBps'] / copy:.0%} | "
+                     f"{cell('fused_rmsnorm_residual', 'liger')} | {cell('fused_rmsnorm_residual', 'torch.compile')} | "
+                     f"{_ms(bwd, 'GBps', 'GB/s')} | {cell('fused_rmsnorm_residual_backward', 'liger')} | "
+                     f"{cell('fused_rmsnorm_residual_backward', 'torch.compile')} |")
+    return "\n".join(lines + ["", _provenance(results)])
+
+
+TABLES = {"flash_moe": flash_moe_table, "rmsnorm": rmsnorm_table}
+
+
+def rendered(member: str) -> tuple[pathlib.Path, str, str]:
+    """(card path, its current text, its text with the table rendered from the results JSON)."""
+    card = ROOT / member / "CARD.md"
+    text = card.read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1:
+        raise ValueError(f"{card}: needs exactly one {BEGIN} ... {END} block")
+    results = json.loads((ROOT / member / "benchmarks" / "results" / "h200.json").read_text())
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    return card, text, f"{head}{BEGIN}\n{TABLES[member](results)}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if a card's table is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for member in TABLES:
+        card, old, new = rendered(member)
+        if old != new:
+            stale.append(str(card.relative_to(ROOT)))
+            if not args.check:
+                card.write_text(new)
+    if args.check and stale:
+        print(f"out of date: {', '.join(stale)}: run `python scripts/card_tables.py`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
