@@ -138,4 +138,18 @@ cudaError_t dequantize_mxfp8_k64_permuted(const uint8_t* vals, const uint8_t* sc
                                          const uint8_t* window_top, const uint32_t* window_misfit,
                                          cudaStream_t stream);
 
+// Internal to both fused ops, before the GEMMs (routing_prep.cu): inv[slot] = the slot's position
+// in sorted_ids (slots of live blocks only; inv is -1 elsewhere) and block_live[b] = m-block b's
+// live rows (zero on entry); for CTA pairs (bpc = 2) the work units gemm::claim_pair walks, and
+// their count. block_live null: a block per CTA (no fitting of the pairs' parts).
+cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp, int64_t L,
+                           int64_t n_slots, int64_t E, int32_t* inv, int32_t* block_live, cudaStream_t stream);
+cudaError_t pair_units(const int32_t* expert_ids, const int32_t* ntpp, int64_t L, int64_t E,
+                       const int32_t* block_live, int2* units, int32_t* num_units, cudaStream_t stream);
+// ... and last (topk_reduce.cu): out[t] (+)= sum over k ascending of Y[inv[t * top_k + k]] (Y and
+// out bf16), fp32;
+// split: out = the sum, else out += it. A programmatic dependent launch after the down GEMM.
+cudaError_t topk_sum(const void* Y, const int32_t* inv, void* out, int64_t M, int64_t K, int top_k,
+                     bool split, cudaStream_t stream);
+
 }  // namespace flash_moe

@@ -131,7 +131,7 @@ struct TileOrder {
 // let the CTAs drift apart: at E = 256 the bf16 weights were read 2.4 times from DRAM, 1.8
 // times with the counter.) Blocks whose expert is outside [0, E) are skipped, so corrupted
 // routing buffers cannot send a CTA out of bounds.
-__device__ Tile claim_tile(const GemmParams& p, const TileOrder& order) {
+__device__ inline Tile claim_tile(const GemmParams& p, const TileOrder& order) {
   for (;;) {
     const int t = atomicAdd(p.tile_counter, 1);
     if (t >= order.count()) return Tile{-1, 0, 0};
@@ -147,7 +147,7 @@ struct TilePair {
   Tile rank[2];
   __device__ TilePair(const Tile& a, const Tile& b) : rank{a, b} {}
 };
-__device__ TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
+__device__ inline TilePair claim_pair(const GemmParams& p, const TileOrder& order) {
   const int num_n = p.num_n, half = order.per_group;
   const Tile end{-1, 0, 0};
   for (;;) {
