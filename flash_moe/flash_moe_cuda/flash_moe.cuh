@@ -25,7 +25,7 @@ constexpr int kMxfp8ScaleBlock = 32;
 constexpr int kMxfp8KBlock = 64;
 constexpr int kMaxExperts = 512;
 
-// Sizes of the blocked layout of an (R, S) MXFP8 scale matrix (DESIGN §6): 512-byte chunks of
+// Sizes of the blocked layout of an (R, S) MXFP8 scale matrix (docs/DESIGN.md §6): 512-byte chunks of
 // 128 rows x 4 scale columns, R padded to 128 and S to 4 (the device-side offsets are
 // mx::blocked_offset).
 constexpr int64_t mxfp8_scale_row_groups(int64_t R) { return (R + 127) / 128; }
@@ -113,7 +113,7 @@ struct FusedMoeMxfp8Args {
 size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t E, int64_t L, int top_k);
 cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& args, cudaStream_t stream);
 
-// ---------------------------------------------------------------- MXFP8 conversions (DESIGN §6)
+// ---------------------------------------------------------------- MXFP8 conversions (docs/DESIGN.md §6)
 enum class FloatKind { kBf16, kFp32 };
 // src: (R, K) bf16 or fp32, K a multiple of 32. vals: (R, K) e4m3. scales: (R, K/32) row-major,
 // or (blocked) the blocked layout of each (mat_rows, K/32) matrix of the R / mat_rows (a whole

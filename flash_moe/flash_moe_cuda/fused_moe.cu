@@ -40,58 +40,47 @@ using host::kStoreBoxRows;
 using host::launch_persistent;
 using host::make_tmap;
 
-// The bf16 op's tensor maps. h_tail: h in (kMaxRows - kBM)-row boxes, the down GEMM's token rows
-// past kBM; *_out: the TMA stores' 64 x 64 boxes; *_out_rows: kStoreRows-row boxes, for output
-// boxes with fewer live tokens.
-struct Bf16Maps {
-  CUtensorMap w, h, h_tail, w2, h_out, h_out_rows, y_out, y_out_rows;
-};
-
-// Both GEMMs of one op at one pipeline depth, with or without CTA pairs. The gate/up GEMM reads
-// neither tmA nor tmT (tm.w stands in).
-template <gemm::Weights kW, int kStages, bool kPaired>
-cudaError_t launch_gemms(const Bf16Maps& tm, const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+// Both bf16 GEMMs at one pipeline depth, with or without CTA pairs.
+template <int kStages, bool kPaired>
+cudaError_t launch_bf16_gemms(const gemm::Bf16Maps& gate_up, const gemm::Bf16Maps& down, const GemmParams& p1,
+                              const GemmParams& p2, cudaStream_t stream) {
+  constexpr auto kW = gemm::Weights::kBf16;
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
-  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, tm.w, tm.w,
-                                      tm.h_out, tm.w, tm.h_out_rows, p1, false, kPaired, stream);
+  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, gate_up, p1,
+                                      false, kPaired, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, tm.h, tm.w2, tm.y_out,
-                           tm.h_tail, tm.y_out_rows, p2, true, kPaired, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, down, p2, true, kPaired,
+                           stream);
 }
 
 // The MXFP8 op's GEMMs: two gate/up kernels, general (bf16 operands) and f16 (scale window),
-// of which the one window_misfit does not select returns at once, then the down GEMM. The
-// MXFP8 epilogues store from registers: no output maps.
+// of which the one window_misfit does not select returns at once, then the down GEMM.
 template <bool kPaired>
-cudaError_t launch_mxfp8_gemms(const CUtensorMap& tm_w, const CUtensorMap& tm_h, const CUtensorMap& tm_w2,
-                               const GemmParams& p1, const GemmParams& p2, cudaStream_t stream) {
+cudaError_t launch_mxfp8_gemms(const gemm::Mxfp8Maps& gate_up, const gemm::Mxfp8Maps& down, const GemmParams& p1,
+                               const GemmParams& p2, cudaStream_t stream) {
   using gemm::Weights;
   constexpr int kS = kMxfp8Stages;
   const int smem = gemm::StagePlan<Weights::kMxfp8, kS>::kLaunchBytes;
-  const CUtensorMap no_map{};
-  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kGateUp, kS, kPaired>, smem, tm_w,
-                                      tm_w, no_map, no_map, no_map, p1, false, kPaired, stream);
+  cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kGateUp, kS, kPaired>, smem,
+                                      gate_up, p1, false, kPaired, stream);
   if (err == cudaSuccess)
-    err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8Window, Kind::kGateUp, kS, kPaired>, smem, tm_w, tm_w,
-                            no_map, no_map, no_map, p1, false, kPaired, stream);
+    err = launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8Window, Kind::kGateUp, kS, kPaired>, smem, gate_up,
+                            p1, false, kPaired, stream);
   if (err != cudaSuccess) return err;
-  return launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kDown, kS, kPaired>, smem, tm_h, tm_w2, no_map,
-                           no_map, no_map, p2, true, kPaired, stream);
+  return launch_persistent(gemm::moe_gemm_kernel<Weights::kMxfp8, Kind::kDown, kS, kPaired>, smem, down, p2, true,
+                           kPaired, stream);
 }
 
-
-// The routing/shape fields both GEMMs share; p2 is derived for the down GEMM.
+// The routing/shape fields both GEMMs share, then each GEMM's own; p2 is derived for the down
+// GEMM.
 void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp,
                  const float* topk_weights, const Workspace& ws, int64_t M, int64_t K, int64_t I, int64_t E,
                  int64_t L, int top_k, GemmParams& p1, GemmParams& p2) {
   p1 = GemmParams{};
-  p1.x = x;
   p1.sorted_ids = sorted_ids;
   p1.expert_ids = expert_ids;
   p1.ntpp = ntpp;
-  p1.topk_weights = topk_weights;
   p1.out = ws.h;
-  p1.lda = K;
   p1.ldo = I;
   p1.L = (int)L;
   p1.n_slots = (int)(M * top_k);
@@ -102,8 +91,6 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p1.num_n = (int)((I + 127) / 128);
   p1.tile_counter = ws.tile_counters;
   p1.h_done = ws.h_done;
-  p1.b_second = (int)I;  // up rows follow the I gate rows
-  p1.b_rows = (int)(2 * I);
   p2 = p1;
   p2.out = ws.Y;
   p2.ldo = K;
@@ -111,9 +98,12 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p2.n_out = (int)K;
   p2.num_n = (int)((K + 255) / 256);
   p2.tile_counter = ws.tile_counters + 1;
-  p2.h_done_target = 2 * p1.num_n;  // gemm::HandOff: two consumer warpgroups per gate/up tile
-  p2.b_second = 128;  // the two 128-row halves of a 256-column tile
-  p2.b_rows = (int)K;
+  p1.b_second = (int)I;  // up rows follow the I gate rows
+  p2.b_second = 128;     // the two 128-row halves of a 256-column tile
+  p1.gate_up = {x, K};
+  p2.down = {topk_weights, 2 * p1.num_n};  // gemm::HandOff: two consumer warpgroups per gate/up tile
+  p1.mx.b_rows = (int)(2 * I);
+  p2.mx.b_rows = (int)K;
 }
 
 // bpc = 2, after slot_positions: the CTA pairs' units. fit (the bf16 op, whose consumers fit
@@ -121,8 +111,8 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
 // reads inverse_kernel's live rows per block for that); else (MXFP8) a block per CTA.
 cudaError_t plan_pairs(const int32_t* expert_ids, const int32_t* ntpp, const Workspace& ws, int64_t E, int64_t L,
                        GemmParams& p1, GemmParams& p2, cudaStream_t stream, bool fit) {
-  p1.units = p2.units = ws.units;
-  p1.num_units = p2.num_units = ws.num_units;
+  p1.pairs.units = p2.pairs.units = ws.units;
+  p1.pairs.num_units = p2.pairs.num_units = ws.num_units;
   return pair_units(expert_ids, ntpp, L, E, fit ? ws.block_live : nullptr, ws.units, ws.num_units, stream);
 }
 
@@ -141,30 +131,29 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, 0);
   cudaError_t err = ws.clear(stream);
-  if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, ws.n_slots, a.E, ws.inv, ws.block_live,
-                                             stream);
+  if (err == cudaSuccess)
+    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, ws.n_slots, a.E, ws.inv, ws.block_live, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
-    Bf16Maps tm;
+    gemm::Bf16Maps gate_up{}, down{};  // the gate/up GEMM gathers its tokens: no token maps
     const uint32_t kTailBox = gemm::kMaxRows - gemm::kBM, kRowsBox = gemm::kStoreRows;
-    if (!make_tmap(&tm.w, host::gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
-        !make_tmap(&tm.h, host::h_rows(ws.h, a.L, a.I), false) ||
-        !make_tmap(&tm.h_tail, host::h_rows(ws.h, a.L, a.I), false, kTailBox) ||
-        !make_tmap(&tm.w2, host::down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
-        !make_tmap(&tm.h_out, host::out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
-        !make_tmap(&tm.h_out_rows, host::out_rows(ws.h, a.L, a.I), false, kRowsBox) ||
-        !make_tmap(&tm.y_out, host::out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows) ||
-        !make_tmap(&tm.y_out_rows, host::out_rows(ws.Y, a.L, a.K), false, kRowsBox))
+    if (!make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
+        !make_tmap(&gate_up.out, host::out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
+        !make_tmap(&gate_up.out_rows, host::out_rows(ws.h, a.L, a.I), false, kRowsBox) ||
+        !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
+        !make_tmap(&down.tokens_tail, host::h_rows(ws.h, a.L, a.I), false, kTailBox) ||
+        !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
+        !make_tmap(&down.out, host::out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows) ||
+        !make_tmap(&down.out_rows, host::out_rows(ws.Y, a.L, a.K), false, kRowsBox))
       return cudaErrorInvalidValue;
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
                 a.K, a.I, a.E, a.L, a.top_k, p1, p2);
     // pipeline depth x CTA pairs: the four kernel pairs
     const auto gemms = [&](auto paired) {
-      constexpr auto kBf16 = gemm::Weights::kBf16;
       constexpr bool kPaired = decltype(paired)::value;
-      return a.stages == 4 ? launch_gemms<kBf16, 4, kPaired>(tm, p1, p2, stream)
-                           : launch_gemms<kBf16, 3, kPaired>(tm, p1, p2, stream);
+      return a.stages == 4 ? launch_bf16_gemms<4, kPaired>(gate_up, down, p1, p2, stream)
+                           : launch_bf16_gemms<3, kPaired>(gate_up, down, p1, p2, stream);
     };
     // CTA pairs split their experts' rows evenly and carry short tails (pair_units_kernel reads
     // inverse_kernel's live rows per block for that).
@@ -181,8 +170,8 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, a.E * 2 * a.I);
   cudaError_t err = ws.clear(stream);
-  if (err == cudaSuccess) err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, ws.n_slots, a.E, ws.inv, ws.block_live,
-                                             stream);
+  if (err == cudaSuccess)
+    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, ws.n_slots, a.E, ws.inv, ws.block_live, stream);
   if (err != cudaSuccess) return err;
   if (a.L > 0) {
     // Which gate/up GEMM runs: f16 operands if every row fits the scale window (mx::kWindow).
@@ -197,29 +186,29 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
       err = dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x16, ws.x_top,
                                           ws.window_misfit, stream);
     if (err != cudaSuccess) return err;
-    CUtensorMap tm_w, tm_h, tm_w2;
-    if (!make_tmap(&tm_w, host::gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
-        !make_tmap(&tm_h, host::h_rows(ws.h, a.L, a.I), false) ||
-        !make_tmap(&tm_w2, host::down_weights(a.w2, a.E, a.K, a.I, 1), true))
+    gemm::Mxfp8Maps gate_up{}, down{};
+    if (!make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
+        !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
+        !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 1), true))
       return cudaErrorInvalidValue;
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(ws.x16), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws,
                 a.M, a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    p1.b_scales = a.w_scales;
-    p1.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
-    p1.scale_rows = (int)mxfp8_blocked_rows(2 * a.I);
-    p1.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(2 * a.I));
-    p1.window_misfit = ws.window_misfit;
-    p1.w_top = ws.w_top;
-    p1.x_top = ws.x_top;
-    p2.b_scales = a.w2_scales;
-    p2.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
-    p2.scale_rows = (int)mxfp8_blocked_rows(a.K);
-    p2.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(a.K));
+    p1.mx.b_scales = a.w_scales;
+    p1.mx.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
+    p1.mx.scale_rows = (int)mxfp8_blocked_rows(2 * a.I);
+    p1.mx.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(2 * a.I));
+    p1.mx.window_misfit = ws.window_misfit;
+    p1.mx.w_top = ws.w_top;
+    p1.mx.x_top = ws.x_top;
+    p2.mx.b_scales = a.w2_scales;
+    p2.mx.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
+    p2.mx.scale_rows = (int)mxfp8_blocked_rows(a.K);
+    p2.mx.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(a.K));
     if (a.bpc == 2) err = plan_pairs(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, false);
     if (err == cudaSuccess)
-      err = a.bpc == 2 ? launch_mxfp8_gemms<true>(tm_w, tm_h, tm_w2, p1, p2, stream)
-                       : launch_mxfp8_gemms<false>(tm_w, tm_h, tm_w2, p1, p2, stream);
+      err = a.bpc == 2 ? launch_mxfp8_gemms<true>(gate_up, down, p1, p2, stream)
+                       : launch_mxfp8_gemms<false>(gate_up, down, p1, p2, stream);
     if (err != cudaSuccess) return err;
   }
   return topk_sum(ws.Y, ws.inv, a.out, a.M, a.K, a.top_k, a.split, stream);

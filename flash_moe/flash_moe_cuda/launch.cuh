@@ -34,8 +34,7 @@ inline EncodeTiledFn get_encode_fn() {
 // elements read as zeros. bf16 boxes (128-byte rows) use the 128-byte swizzle wgmma reads;
 // e4m3 boxes (64-byte rows) the 64-byte swizzle. (The dequantizing threads' 16-byte loads of
 // e4m3 rows still take two wavefronts each: a quarter-warp's two row groups share a 64-byte
-// bank half. A row order without that conflict measured no faster: flash_moe/NOTES.md,
-// session 12.)
+// bank half. A row order without that conflict measured no faster: flash_moe/DESIGN.md §5.)
 struct Operand {
   const void* ptr;
   int rank;
@@ -125,20 +124,18 @@ inline int max_pairs(const void* kern, int smem) {
   return n;
 }
 
-// One persistent launch: a CTA per SM (or per tile when there are fewer tiles); with CTA pairs,
-// a cluster per SM pair.
-template <class Kernel>
-cudaError_t launch_persistent(Kernel kern, int smem, const CUtensorMap& tmA, const CUtensorMap& tmB,
-                              const CUtensorMap& tmC, const CUtensorMap& tmT, const CUtensorMap& tmS,
-                              const gemm::GemmParams& p, bool after_previous, bool paired, cudaStream_t stream) {
+// One persistent launch of a GEMM kernel with its tensor maps (gemm::GemmMaps): a CTA per SM
+// (or per tile when there are fewer tiles); with CTA pairs, a cluster per SM pair.
+template <class Kernel, class Maps>
+cudaError_t launch_persistent(Kernel kern, int smem, const Maps& tm, const gemm::GemmParams& p, bool after_previous,
+                              bool paired, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
   if (max_tiles == 0) return cudaSuccess;
   const int64_t slots = paired ? max_pairs(reinterpret_cast<const void*>(kern), smem) : sm_count();
   const int grid = (int)(max_tiles < slots ? max_tiles : slots) * (paired ? 2 : 1);
-  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tmA, tmB, tmC, tmT, tmS,
-                p);
+  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tm, p);
 }
 
 }  // namespace host

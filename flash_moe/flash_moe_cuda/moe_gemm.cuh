@@ -45,16 +45,27 @@ enum class Weights { kBf16, kMxfp8, kMxfp8Window };
 template <Weights kW, int kStages>
 using StagePlan = std::conditional_t<kW == Weights::kBf16, SmemPlan<kStages>, Mxfp8Plan<kStages>>;
 
+// The TMA tensor maps a GEMM kernel reads, one struct per weight format. The gate/up GEMM
+// gathers its token rows with cp.async, so it reads no `tokens` map (nor `tokens_tail`).
+struct Bf16Maps {
+  CUtensorMap tokens;       // kDown: h rows, kBM-row boxes
+  CUtensorMap tokens_tail;  // kDown: h rows kBM.. of a longer tile, (kMaxRows - kBM)-row boxes
+  CUtensorMap weights;      // w (gate/up) or w2 (down), 128-row boxes
+  CUtensorMap out;          // h or Y, the epilogue's 64 x 64 store boxes
+  CUtensorMap out_rows;     // h or Y, kStoreRows-row boxes: output boxes with fewer live tokens
+};
+struct Mxfp8Maps {          // the MXFP8 epilogues store from registers: no output maps
+  CUtensorMap tokens;       // kDown: h rows
+  CUtensorMap weights;      // e4m3 w or w2, 128-row boxes
+};
+template <Weights kW>
+using GemmMaps = std::conditional_t<kW == Weights::kBf16, Bf16Maps, Mxfp8Maps>;
+
 // kPaired: launched in clusters of 2 CTAs (bpc = 2) that walk the same units in step; see Tile's
 // kMulticast / kIdle, TileSlots and Barriers::release for what the pair shares.
-// bf16 only. tmT: the down GEMM's map of (kMaxRows - kBM)-row boxes of h, for the token rows
-// past kBM of a longer tile. tmS: the output map (as tmC) of kStoreRows-row boxes, for output
-// boxes with fewer live tokens. The MXFP8 kernels read neither.
 template <Weights kW, Kind kKind, int kStages, bool kPaired = false>
 __global__ void __launch_bounds__(kThreads, 1)
-    moe_gemm_kernel(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                    const __grid_constant__ CUtensorMap tmC, const __grid_constant__ CUtensorMap tmT,
-                    const __grid_constant__ CUtensorMap tmS, const GemmParams p) {
+    moe_gemm_kernel(const __grid_constant__ GemmMaps<kW> tm, const GemmParams p) {
   using Plan = StagePlan<kW, kStages>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -65,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   TileSlots slots(sbase + Plan::kSlotOffset, kStages, rank, kPaired);
   const int nk = (p.K + kBK - 1) / kBK;
   if constexpr (kW != Weights::kBf16 && kKind == Kind::kGateUp)
-    if ((*p.window_misfit == 0u) != (kW == Weights::kMxfp8Window)) return;
+    if ((*p.mx.window_misfit == 0u) != (kW == Weights::kMxfp8Window)) return;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -90,13 +101,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if constexpr (kW == Weights::kBf16)
-      produce_bf16<kKind, kStages>(tmA, tmB, tmT, p, sbase, bars, slots, nk);
+      produce_bf16<kKind, kStages>(tm.tokens, tm.weights, tm.tokens_tail, p, sbase, bars, slots, nk);
     else
-      produce_mxfp8<kKind, kStages>(tmA, tmB, p, sbase, bars, slots, nk);
+      produce_mxfp8<kKind, kStages>(tm.tokens, tm.weights, p, sbase, bars, slots, nk);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     if constexpr (kW == Weights::kBf16)
-      consume_bf16<kKind, kStages>(&tmC, &tmS, p, sbase, bars, slots, nk);
+      consume_bf16<kKind, kStages>(&tm.out, &tm.out_rows, p, sbase, bars, slots, nk);
     else
       consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,
                                                                                                slots, nk);

@@ -25,7 +25,7 @@ namespace gemm {
 // (`it = t * nk`: each tile, idle or empty ones too, takes nk stages), and the bf16 consumer's n
 // comes through a shuffle. Without them (a counter carried through data-dependent branches,
 // threadIdx arithmetic) every wgmma waited on R2UR moves and each batch on a WARPSYNC: the MXFP8
-// op was 5-6 % slower (session 14).
+// op was 5-6 % slower (flash_moe/DESIGN.md §5).
 struct ConsumerThread {
   int cw = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
   int w4 = (threadIdx.x / 32) & 3;
@@ -75,8 +75,8 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 
 // Per warpgroup and k16 both wgmmas read a 2 KB weight block and the tile's N token rows.
 //
-// Epilogue: 64-token x 64-feature boxes (put_box_transposed), stored by TMA (tmC; a box with
-// fewer live tokens in kStoreRows-row pieces through tmS, so no store reaches past the tile's
+// Epilogue: 64-token x 64-feature boxes (put_box_transposed), stored by TMA (`out`; a box with
+// fewer live tokens in kStoreRows-row pieces through `out_rows`, so no store reaches past the tile's
 // rows into a peer CTA's). Shared memory leaves room for one 8 KB box per warpgroup
 // (SmemPlan::kEpiOffset), so the warpgroup keeps its tile's last stage (`held`) and writes its
 // first two boxes over its own two weight blocks there (no other warpgroup reads them), the
@@ -85,7 +85,7 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 // (the producer is then kStages - 1 ahead). Tokens kBM.. of a longer tile are stored from
 // registers.
 template <Kind kKind, int kStages>
-__device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, const GemmParams& p, uint32_t sbase,
+__device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows, const GemmParams& p, uint32_t sbase,
                              const Barriers<kStages>& bars, const TileSlots& slots, int nk) {
   using Plan = SmemPlan<kStages>;
   constexpr int kExtra = kMaxRows - kBM;
@@ -101,7 +101,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
   const auto release_held = [&] {
     if (held < 0) return;
     if (q == 0) bulk_wait_read<0>();  // also frees the warpgroup's box at kEpiOffset
-    named_barrier_sync(4 + cw, 128);
+    named_barrier_sync(kEpilogueBarrier + cw, 128);
     if (lane == 0) bars.release(held);
     held = -1;
   };
@@ -151,11 +151,11 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
       const int xsid = q < kExtra && kBM + q < tile.rows ? p.sorted_ids[tile.m0 + kBM + q] : -1;
       const bool live_q = live_slot(p, sid), live_x = live_slot(p, xsid);
       if (kKind == Kind::kDown) {
-        if (live_q) wq = p.topk_weights[sid];
-        if (live_x) wx = p.topk_weights[xsid];
+        if (live_q) wq = p.down.topk_weights[sid];
+        if (live_x) wx = p.down.topk_weights[xsid];
       }
-      n = named_barrier_popc(2 + cw, 128, live_q);
-      if (n == kBM && tile.rows > kBM) n += named_barrier_popc(2 + cw, 128, live_x);
+      n = named_barrier_popc(kTileBarrier + cw, 128, live_q);
+      if (n == kBM && tile.rows > kBM) n += named_barrier_popc(kTileBarrier + cw, 128, live_x);
       n = __shfl_sync(0xffffffffu, (n + 7) & ~7, 0);  // the same in every thread: see ConsumerThread
     }
     if (n == 0) {
@@ -169,7 +169,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
     if (kKind == Kind::kDown) {  // every thread is past the previous tile's epilogue (the popc barrier)
       st_shared_f32(wt + 4 * q, wq);
       if (q < kExtra) st_shared_f32(wt + 4 * (kBM + q), wx);
-      named_barrier_sync(4 + cw, 128);
+      named_barrier_sync(kEpilogueBarrier + cw, 128);
     }
     // Accumulator a = 4j + 2h + e: feature row 16 w4 + lane/4 + 8h, token 8j + 2(lane%4) + e.
     const auto token = [&](int a) { return 8 * (a >> 2) + 2 * (lane & 3) + (a & 1); };
@@ -180,7 +180,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
         return (block ? acc1[a] : acc0[a]) * ld_shared_f32(wt + 4 * token(a));
     };
     if (kKind == Kind::kGateUp) {
-      handoff.flush<true>(p, 2 + cw);
+      handoff.flush<true>(p, kTileBarrier + cw);
       handoff.pending = tile.group;
       handoff.pending_regs = n > kBM;
     }
@@ -202,19 +202,19 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
           box = sbase + Plan::kEpiOffset + cw * (Plan::kEpiBytes / 2);
         } else {  // i == 3: once the first box's store has read it
           if (q == 0) bulk_wait_read<2>();
-          named_barrier_sync(4 + cw, 128);
+          named_barrier_sync(kEpilogueBarrier + cw, 128);
           box = weight_block<kKind>(held_boxes, cw, 0);
         }
         put_box_transposed(box, tb, w4, lane, [&](int a) { return value(block, a); });
         fence_proxy_async_shared();
-        named_barrier_sync(4 + cw, 128);
+        named_barrier_sync(kEpilogueBarrier + cw, 128);
         if (q == 0) {
           const int f = feature<kKind>(tile, cw, block, 0), row = tile.m0 + 64 * tb;
           const int box_rows = n - 64 * tb < 64 ? n - 64 * tb : 64;
           if (box_rows == 64)
-            tma_store_2d(tmC, box, f, row);
+            tma_store_2d(out, box, f, row);
           else
-            for (int r = 0; r < box_rows; r += kStoreRows) tma_store_2d(tmS, box + r * 128, f, row + r);
+            for (int r = 0; r < box_rows; r += kStoreRows) tma_store_2d(out_rows, box + r * 128, f, row + r);
           bulk_commit_group();
         }
       }
@@ -239,7 +239,7 @@ __device__ void consume_bf16(const CUtensorMap* tmC, const CUtensorMap* tmS, con
   }
   release_held();
   if (q == 0) bulk_wait_all();
-  if (kKind == Kind::kGateUp) handoff.flush<true>(p, 2 + cw);
+  if (kKind == Kind::kGateUp) handoff.flush<true>(p, kTileBarrier + cw);
 }
 
 }  // namespace gemm

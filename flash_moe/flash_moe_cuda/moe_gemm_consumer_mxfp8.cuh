@@ -81,16 +81,16 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     // The tile's per-token factors, one float per token (wt): the down GEMM's router weights
     // are copied there now, by cp.async, so the two dependent global loads land during the
     // mainloop instead of between it and the epilogue, where both warpgroups wait together
-    // (down GEMM -5 %, session 13). The f16 gate/up path's window factors are written in its
-    // epilogue: the same copy at its tile start made that kernel 0.5-1.7 % slower. (The bf16
-    // consumer keeps its router weights in registers; this kernel has none to spare.)
+    // (down GEMM -5 %). The f16 gate/up path's window factors are written in its epilogue: the
+    // same copy at its tile start made that kernel 0.5-1.7 % slower (flash_moe/DESIGN.md §5).
+    // (The bf16 consumer keeps its router weights in registers; this kernel has none to spare.)
     const uint32_t wt = sbase + Plan::kWtOffset + cw * kBM * 4;
     if constexpr (kKind == Kind::kDown) {
       const int q = threadIdx.x & 127;
       const int sid = p.sorted_ids[tile.m0 + q];
       const bool live = live_slot(p, sid);
-      named_barrier_sync(2 + cw, 128);  // the previous tile's epilogue is done reading wt
-      cp_async_4(wt + 4 * q, p.topk_weights + (live ? sid : 0), live ? 4u : 0u);  // padding: 0
+      named_barrier_sync(kTileBarrier + cw, 128);  // the previous tile's epilogue is done reading wt
+      cp_async_4(wt + 4 * q, p.down.topk_weights + (live ? sid : 0), live ? 4u : 0u);  // padding: 0
     }
     // per (block, half): row in the 256-row e4m3 tile, its box, validity, scale location
     // A thread's e4m3 chunk of block 1 sits a fixed distance after block 0's (the other box,
@@ -107,10 +107,10 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const int box_row0 = n0 + (box ? p.b_second : 0);
         // g: the row in the scale layout (experts packed on their own, scale_rows apart). For
         // gate/up that is the weight row (2I % 128 == 0), the index of the f16 window's w_top.
-        const int64_t g0 = (int64_t)tile.e * (kKind == Kind::kGateUp ? p.b_rows : p.scale_rows) + box_row0;
+        const int64_t g0 = (int64_t)tile.e * (kKind == Kind::kGateUp ? p.mx.b_rows : p.mx.scale_rows) + box_row0;
         const int64_t g = g0 + rib;
-        live[b][h] = box_row0 + rib < p.b_rows;
-        if constexpr (kT == RsType::kF16) top[b][h] = live[b][h] ? p.w_top[g] : (uint32_t)mx::kTopMin;
+        live[b][h] = box_row0 + rib < p.mx.b_rows;
+        if constexpr (kT == RsType::kF16) top[b][h] = live[b][h] ? p.mx.w_top[g] : (uint32_t)mx::kTopMin;
         if (b == 0) q_off[h] = Plan::kTokBytes + box * Plan::kFp8BoxBytes + rib * 64 + ((cq ^ ((rib >> 1) & 3)) << 4);
         sc_off[b][h] = Plan::kTokBytes + 2 * Plan::kFp8BoxBytes +
                        (box * 2 + (int)(g / 128 - g0 / 128)) * Plan::kScaleChunk +
@@ -214,12 +214,12 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     const uint32_t wt_s = wt + 8 * cq;  // + 4e + 32j: token 8j + 2cq + e
     if constexpr (kKind == Kind::kDown) {  // every thread's router weight has landed
       cp_async_wait_all();
-      named_barrier_sync(2 + cw, 128);
+      named_barrier_sync(kTileBarrier + cw, 128);
     }
     __nv_bfloat16* const rows0 = p.out + (int64_t)(tile.m0 + 2 * cq) * p.ldo;
     const int64_t row_step = 8 * p.ldo;
     if (kKind == Kind::kGateUp) {
-      handoff.flush<false>(p, 2 + cw);
+      handoff.flush<false>(p, kTileBarrier + cw);
       handoff.pending = tile.group;
       // f16 path: the products carry 2^(268 - top_w - top_x); the rows' factors are in
       // registers, the 128 tokens' in wt. Both multiplications are exact (mx::kWindow).
@@ -228,16 +228,16 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         const int q = threadIdx.x & 127;
         // The previous tile's epilogue is done reading wt. (The flush above syncs too, but only
         // when it counts a tile; this barrier keeps wt's protocol here, at one bar.sync a tile.)
-        named_barrier_sync(2 + cw, 128);
+        named_barrier_sync(kTileBarrier + cw, 128);
         {
           const int sid = p.sorted_ids[tile.m0 + q];
-          st_shared_f32(wt + 4 * q, live_slot(p, sid) ? mx::window_factor(p.x_top[sid / p.top_k]) : 1.f);
+          st_shared_f32(wt + 4 * q, live_slot(p, sid) ? mx::window_factor(p.mx.x_top[sid / p.top_k]) : 1.f);
         }
 #pragma unroll
         for (int b = 0; b < 2; ++b)
 #pragma unroll
           for (int h = 0; h < 2; ++h) fw[b][h] = mx::window_factor(top[b][h]);
-        named_barrier_sync(2 + cw, 128);
+        named_barrier_sync(kTileBarrier + cw, 128);
       }
       const int col = n0 + 64 * cw + pc;  // physical h column (K-permuted for the down GEMM)
       if (n0 + 64 * cw < p.n_out) {
@@ -278,7 +278,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
       }
     }
   }
-  if (kKind == Kind::kGateUp) handoff.flush<false>(p, 2 + cw);
+  if (kKind == Kind::kGateUp) handoff.flush<false>(p, kTileBarrier + cw);
 }
 
 }  // namespace gemm

@@ -8,7 +8,7 @@ namespace flash_moe {
 namespace gemm {
 
 // ---------------------------------------------------------------- epilogues
-// Rows per TMA store of a box that holds fewer than 64 live tokens (the maps' tmS).
+// Rows per TMA store of a box that holds fewer than 64 live tokens (Bf16Maps::out_rows).
 constexpr int kStoreRows = 8;
 __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);

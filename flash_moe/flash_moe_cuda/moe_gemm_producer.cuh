@@ -40,7 +40,7 @@ struct GatherA {
   }
   __device__ static constexpr bool below_bm(int j, int r) { return j < kFull || r < kBM; }
   __device__ const uint8_t* chunk_src(const GemmParams& p, int sid, bool ok) const {
-    return reinterpret_cast<const uint8_t*>(p.x + (ok ? (int64_t)(sid / p.top_k) * p.lda : 0) + c * 8);
+    return reinterpret_cast<const uint8_t*>(p.gate_up.x + (ok ? (int64_t)(sid / p.top_k) * p.gate_up.lda : 0) + c * 8);
   }
   // Rows at or past tile.rows belong to the peer CTA's part (or to nothing): zero-filled, and
   // never read by the consumers, which compute at most tile.rows columns.
@@ -85,7 +85,7 @@ struct E4m3Weights {
   // TMA both boxes and bulk-copy their scale chunks into `slot` ([box 0][box 1][scales]),
   // completing on `bar`; the thread with `issue` issues (see sm90's FM_PRED). A CTA pair's tile
   // (kMulticast): CTA `rank` loads box `rank` and its scale chunks for both CTAs.
-  __device__ static void fetch(const CUtensorMap& tmB, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
+  __device__ static void fetch(const CUtensorMap& weights, const GemmParams& p, const Tile& t, int kb, uint32_t slot,
                                uint32_t bar, uint32_t extra_tx, uint32_t rank, bool issue) {
     int row0[2];
     box_rows(p, t, row0);
@@ -93,12 +93,12 @@ struct E4m3Weights {
     uint32_t bytes = 2 * kBoxBytes;
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-      const int64_t g0 = (int64_t)t.e * p.scale_rows + row0[b];  // the box's first row in the scale layout
+      const int64_t g0 = (int64_t)t.e * p.mx.scale_rows + row0[b];  // the box's first row in the scale layout
       const int64_t grp = g0 / 128;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const bool need = (j == 0 || g0 % 128 != 0) && grp + j < p.scale_row_groups;
-        src[b][j] = need ? p.b_scales + ((grp + j) * p.scale_col_groups + kb / 2) * kScaleChunk : nullptr;
+        const bool need = (j == 0 || g0 % 128 != 0) && grp + j < p.mx.scale_row_groups;
+        src[b][j] = need ? p.mx.b_scales + ((grp + j) * p.mx.scale_col_groups + kb / 2) * kScaleChunk : nullptr;
         bytes += need ? kScaleChunk : 0;
       }
     }
@@ -109,9 +109,9 @@ struct E4m3Weights {
       if (shared && b != (int)rank) continue;
       const uint32_t box = slot + b * kBoxBytes;
       if (shared)
-        tma_load_3d_multicast(box, &tmB, kb * kBK, row0[b], t.e, bar, 0x3, issue);
+        tma_load_3d_multicast(box, &weights, kb * kBK, row0[b], t.e, bar, 0x3, issue);
       else
-        tma_load_3d(box, &tmB, kb * kBK, row0[b], t.e, bar, issue);
+        tma_load_3d(box, &weights, kb * kBK, row0[b], t.e, bar, issue);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         if (!src[b][j]) continue;
@@ -134,10 +134,9 @@ struct E4m3Weights {
 // (`load_stage(tile, kb, stage, full_bar, issue)`: the weights, and the down GEMM's h rows).
 // kLoaderWarp (the MXFP8 GEMMs): all of warp 0 runs load_stage, converged, with the tile and
 // the stage counter made warp-uniform, so ptxas keeps the copies' operands in uniform registers
-// (lane 0 issues), and the gate/up GEMM's warps 1-3 gather. Session 15: down kernel -2 to -3 %,
-// gate/up kernel -1.2 to -2.3 % (shape 3 within noise). Not for the bf16 GEMMs: its down GEMM
-// was 1-2 % slower with it (session 14). (A gate/up warp 0 that both issued and gathered was
-// 9-11 % slower, session 14.)
+// (lane 0 issues), and the gate/up GEMM's warps 1-3 gather: down kernel -2 to -3 %, gate/up
+// kernel -1 to -2 %. Not for the bf16 GEMMs: their down GEMM is 1-2 % slower with it; and a
+// gate/up warp 0 that both issues and gathers is 9-11 % slower (flash_moe/DESIGN.md §5).
 template <Kind kKind, int kStages, int kStageBytes, bool kLoaderWarp = false, class LoadStage>
 __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
                               int nk, LoadStage load_stage) {
@@ -188,11 +187,11 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
 }
 
 // A tile of more than kBM rows (a CTA pair's part) has up to kMaxRows - kBM more token rows:
-// the gate/up gather adds them; the down GEMM loads them from h through tmT (boxes of
+// the gate/up gather adds them; the down GEMM loads them from h through `tokens_tail` (boxes of
 // kMaxRows - kBM rows). The down GEMM loads kBM h rows even for a shorter part; the rows past
 // it are read, not used.
 template <Kind kKind, int kStages>
-__device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, const CUtensorMap& tmT,
+__device__ void produce_bf16(const CUtensorMap& tokens, const CUtensorMap& weights, const CUtensorMap& tokens_tail,
                              const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
                              int nk) {
   using Plan = SmemPlan<kStages>;
@@ -205,30 +204,31 @@ __device__ void produce_bf16(const CUtensorMap& tmA, const CUtensorMap& tmB, con
     if (kKind == Kind::kDown) tx += (extra ? kMaxRows : kBM) * kRowBytes;
     mbar_arrive_expect_tx(full, tx);
     if (kKind == Kind::kDown) {
-      tma_load_2d(a_s, &tmA, kb * kBK, tile.m0, full);
-      if (extra) tma_load_2d(a_s + kBM * kRowBytes, &tmT, kb * kBK, tile.m0 + kBM, full);
+      tma_load_2d(a_s, &tokens, kb * kBK, tile.m0, full);
+      if (extra) tma_load_2d(a_s + kBM * kRowBytes, &tokens_tail, kb * kBK, tile.m0 + kBM, full);
     }
     if (tile.flags & kMulticast) {
       // CTA r of the pair loads box r for both: each weight byte leaves L2 once per pair.
       const uint32_t r = slots.rank;
-      tma_load_3d_multicast(b_s + r * Plan::kBBoxBytes, &tmB, kb * kBK, n0 + (int)r * p.b_second, tile.e, full, 0x3);
+      tma_load_3d_multicast(b_s + r * Plan::kBBoxBytes, &weights, kb * kBK, n0 + (int)r * p.b_second, tile.e, full,
+                            0x3);
     } else {
-      tma_load_3d(b_s, &tmB, kb * kBK, n0, tile.e, full);
-      tma_load_3d(b_s + Plan::kBBoxBytes, &tmB, kb * kBK, n0 + p.b_second, tile.e, full);
+      tma_load_3d(b_s, &weights, kb * kBK, n0, tile.e, full);
+      tma_load_3d(b_s + Plan::kBBoxBytes, &weights, kb * kBK, n0 + p.b_second, tile.e, full);
     }
   };
   produce_tiles<kKind, kStages, Plan::kStageBytes>(p, sbase, bars, slots, nk, load);
 }
 
 template <Kind kKind, int kStages>
-__device__ void produce_mxfp8(const CUtensorMap& tmA, const CUtensorMap& tmB, const GemmParams& p, uint32_t sbase,
-                              const Barriers<kStages>& bars, TileSlots& slots, int nk) {
+__device__ void produce_mxfp8(const CUtensorMap& tokens, const CUtensorMap& weights, const GemmParams& p,
+                              uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots, int nk) {
   using Plan = Mxfp8Plan<kStages>;
   produce_tiles<kKind, kStages, Plan::kStageBytes, true>(
       p, sbase, bars, slots, nk, [&](const Tile& tile, int kb, uint32_t tok, uint32_t full, bool issue) {
-        E4m3Weights<kKind>::fetch(tmB, p, tile, kb, tok + Plan::kTokBytes, full,
+        E4m3Weights<kKind>::fetch(weights, p, tile, kb, tok + Plan::kTokBytes, full,
                                   kKind == Kind::kDown ? Plan::kTokBytes : 0, slots.rank, issue);
-        if (kKind == Kind::kDown) tma_load_2d(tok, &tmA, kb * kBK, tile.m0, full, issue);
+        if (kKind == Kind::kDown) tma_load_2d(tok, &tokens, kb * kBK, tile.m0, full, issue);
       });
 }
 

@@ -21,15 +21,52 @@ constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 
 enum class Kind { kGateUp, kDown };
 
+// Named barriers (bar.sync ids; 0 is __syncthreads): the producer warpgroup has one, each
+// consumer warpgroup cw (0 or 1) two of its own, so the warpgroups never wait on each other.
+enum NamedBarrier : int {
+  kProducerBarrier = 1,  // the producer threads that read a claimed tile (TileSlots)
+  kTileBarrier = 2,      // + cw: once per tile (live-row count, router weights, HandOff's count)
+  kEpilogueBarrier = 4,  // + cw: the epilogue's box hand-offs and stage release (bf16)
+};
+
+// The parts of GemmParams that only one GEMM, one weight format or CTA pairs read.
+struct GateUpParams {
+  const __nv_bfloat16* x;  // the token rows (M, K) the gather reads: bf16 (f16 on the MXFP8
+                           // scale-window path: the gather only moves 2-byte values)
+  int64_t lda;             // row stride of x (= K)
+};
+struct DownParams {
+  const float* topk_weights;  // (M * top_k,) router weights, one per slot
+  int h_done_target;          // the HandOff count that makes an m-block's h rows complete
+};
+// Weight scales, each expert's (b_rows, K/32) matrix in the blocked layout on its own
+// (pack_scales_blocked of (E, b_rows, K/32)), so expert e's start at row e * scale_rows.
+struct Mxfp8Params {
+  const uint8_t* b_scales;
+  int b_rows;            // rows of B per expert (2I for gate/up, Kd for down)
+  int scale_rows;        // b_rows padded to 128: an expert's rows in the scale layout
+  int scale_col_groups;  // ceil((K/32) / 4): 512-byte chunks per 128-row group
+  int scale_row_groups;  // E * scale_rows / 128
+  // Gate/up only. window_misfit: 0 when every weight and token row fits the f16 scale window
+  // (mx::kWindow), set by mxfp8_scale_window; of the two gate/up kernels, the one it does not
+  // select returns at once. w_top / x_top: each weight row's / token's top scale byte.
+  const uint32_t* window_misfit;
+  const uint8_t* w_top;
+  const uint8_t* x_top;
+};
+// CTA pairs (bpc = 2): the work units pair_units_kernel lists, and their count; null without.
+struct PairParams {
+  const int2* units;
+  const int32_t* num_units;
+};
+
+// One GEMM launch: the routing, shape and schedule every launch reads, then the role's, the
+// format's and the pairs' own parts.
 struct GemmParams {
-  const __nv_bfloat16* x;        // kGateUp: the gathered token rows (M, K), bf16 (f16 on the
-                                 // MXFP8 scale-window path: the gather only moves 2-byte values)
   const int32_t* sorted_ids;
   const int32_t* expert_ids;
-  const int32_t* ntpp;
-  const float* topk_weights;     // kDown
+  const int32_t* ntpp;           // num_tokens_post_padded: sorted_ids' used length (device)
   __nv_bfloat16* out;            // kGateUp: h (L, I); kDown: Y (L, Kd)
-  int64_t lda;                   // kGateUp: row stride of x (= K)
   int64_t ldo;                   // row stride of out
   int L;                         // sorted_ids length
   int n_slots;                   // M * top_k (the padding sentinel)
@@ -40,24 +77,11 @@ struct GemmParams {
   int num_n;                     // n-blocks per m-block
   int* tile_counter;             // tiles claimed so far (zero before the launch)
   int* h_done;                   // per m-block: gate/up warpgroup-tiles whose h is stored (HandOff)
-  int h_done_target;             // kDown: the count that makes an m-block's h rows complete
   int b_second;                  // row offset of the second weight box from the first
-  // MXFP8 only: weight scales, each expert's (b_rows, K/32) matrix in the blocked layout on its
-  // own (pack_scales_blocked of (E, b_rows, K/32)), so expert e's start at row e * scale_rows.
-  const uint8_t* b_scales;
-  int b_rows;                    // rows of B per expert (2I for gate/up, Kd for down)
-  int scale_rows;                // b_rows padded to 128: an expert's rows in the scale layout
-  int scale_col_groups;          // ceil((K/32) / 4): 512-byte chunks per 128-row group
-  int scale_row_groups;          // E * scale_rows / 128
-  // MXFP8 gate/up only. window_misfit: 0 when every weight and token row fits the f16 scale
-  // window (mx::kWindow), set by mxfp8_scale_window; of the two gate/up kernels, the one it does
-  // not select returns at once. w_top / x_top: each weight row's / token's top scale byte.
-  const uint32_t* window_misfit;
-  const uint8_t* w_top;
-  const uint8_t* x_top;
-  // CTA pairs (bpc = 2) only: the work units pair_units_kernel lists, and their count.
-  const int2* units;
-  const int32_t* num_units;
+  GateUpParams gate_up;
+  DownParams down;
+  Mxfp8Params mx;
+  PairParams pairs;
 };
 
 // A sorted id that names a routing slot; anything else (the padding sentinel n_slots, or a
@@ -89,7 +113,7 @@ constexpr int kIdle = 2;
 // A token tile holds up to kMaxRows rows, 16 more than an m-block: a pair whose expert ends
 // in a block of at most kTailRows live rows after the pair's two blocks computes that block
 // too (it gets no tiles of its own). Computed on its own, such a tail cost 81-86 % of a full
-// tile (NOTES.md, session 9).
+// tile (flash_moe/DESIGN.md §5).
 constexpr int kMaxRows = kBlockM + 16;
 constexpr int kTailRows = 2 * (kMaxRows - kBlockM);
 
@@ -113,8 +137,8 @@ __host__ __device__ constexpr int unit_rows(int rows0, int rows1) { return rows0
 struct TileOrder {
   int groups, per_group;
   __device__ explicit TileOrder(const GemmParams& p) : per_group(p.num_n) {
-    if (p.units) {
-      groups = *p.num_units;
+    if (p.pairs.units) {
+      groups = *p.pairs.num_units;
       per_group = (p.num_n + 1) / 2;
       return;
     }
@@ -154,7 +178,7 @@ __device__ inline TilePair claim_pair(const GemmParams& p, const TileOrder& orde
     const int t = atomicAdd(p.tile_counter, 1);
     if (t >= order.count()) return TilePair(end, end);
     const int u = t / half, c = t - u * half;
-    const int2 unit = p.units[u];
+    const int2 unit = p.pairs.units[u];
     const int mb = unit.x & kUnitBlock;
     const int e = p.expert_ids[mb];
     if (e < 0 || e >= p.E) continue;
@@ -231,10 +255,10 @@ struct TileSlots {
         mbar_wait<true>(claim_full(i), use & 1);
       }
     }
-    if (threads > 1) named_barrier_sync(1, threads);
+    if (threads > 1) named_barrier_sync(kProducerBarrier, threads);
     const Tile t = get(slot);
     if (paired && rank == 1) {
-      if (threads > 1) named_barrier_sync(1, threads);  // every thread has read the slot
+      if (threads > 1) named_barrier_sync(kProducerBarrier, threads);  // every thread has read the slot
       if (threadIdx.x == 0) mbar_arrive_peer(peer_smem(claim_free(i), 0));
     }
     return t;
@@ -280,7 +304,7 @@ struct HandOff {
   }
   // Down producer thread: wait until the tile's h rows are complete.
   __device__ static void wait_ready(const GemmParams& p, const Tile& t) {
-    const int target = (t.flags & kMulticast) ? 2 * p.h_done_target : p.h_done_target;
+    const int target = (t.flags & kMulticast) ? 2 * p.down.h_done_target : p.down.h_done_target;
     while (ld_acquire_gpu(p.h_done + t.group) < target) __nanosleep(128);
     fence_proxy_async_global();
   }

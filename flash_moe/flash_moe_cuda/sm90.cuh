@@ -154,7 +154,7 @@ __device__ __forceinline__ uint32_t peer_smem(uint32_t addr, uint32_t rank) {
 // Arrive on an mbarrier of another CTA of the cluster (`bar` from peer_smem), release at
 // cluster scope: what this thread wrote before (e.g. st_peer_v4) is visible to whoever then
 // waits on it with mbar_wait<true>. Costly: a consumer warp doing this per k-block made the
-// op 31-60 % slower than without pairs (session 7, device call 3).
+// op 31-60 % slower than without pairs (flash_moe/DESIGN.md §5).
 __device__ __forceinline__ void mbar_arrive_peer(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
 }
