@@ -10,8 +10,9 @@
     let
       system = "x86_64-linux";
       pkgs = nixpkgs.legacyPackages.${system};
-      # Keep in step with `workspace.members` in build.toml.
-      members = [ "rmsnorm" "flash_moe" ];
+      # build.toml's `workspace.members` is the one member list (the shim and the local builder
+      # read it too).
+      members = (builtins.fromTOML (builtins.readFile ./build.toml)).workspace.members;
       # Each member is its own kernel-builder flake; build-and-copy fills <member>/build/.
       buildAll = pkgs.writeShellApplication {
         name = "prime-kernels-build";
@@ -29,5 +30,7 @@
         program = "${buildAll}/bin/prime-kernels-build";
       };
       packages.${system}.default = buildAll;
+      # What `nix run .#build` walks, for checks that evaluate this flake.
+      lib.members = members;
     };
 }

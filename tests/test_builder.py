@@ -48,6 +48,17 @@ def test_missing_sources_are_named(tmp_path):
     assert builder.skip_reason(spec, GOOD) == "missing sources listed in build.toml: toy_cuda/scale.cu"
 
 
+@pytest.mark.parametrize("dependency", ["metal-cpp", "sycl_tla"])
+def test_a_dependency_the_builder_cannot_provide_is_named(tmp_path, dependency):
+    root = make_workspace(tmp_path)
+    manifest = root / "toy" / "build.toml"
+    manifest.write_text(manifest.read_text().replace('depends = ["torch"]', f'depends = ["torch", "{dependency}"]'))
+    spec = read_workspace(root)["toy"]
+    assert builder.skip_reason(spec, GOOD) == (
+        f"depends on {dependency}, which the local builder cannot provide (it provides only torch): "
+        "build it with kernel-builder, `nix run .#build`")
+
+
 def test_members_select_by_argument_then_env(monkeypatch):
     specs = read_workspace(REPO)
     monkeypatch.delenv("PRIME_KERNELS", raising=False)
@@ -89,6 +100,7 @@ def _variant(root: pathlib.Path) -> pathlib.Path:
 
 
 def test_build_lays_out_a_kernel_builder_variant(built_toy):
+    from kernels import _rust as kernels_rust
     from kernels_data import Digest, DigestAlgorithm, Metadata
 
     variant = _variant(built_toy)
@@ -102,6 +114,10 @@ def test_build_lays_out_a_kernel_builder_variant(built_toy):
     assert metadata["backend"] == {"type": "cuda", "archs": ["9.0a"]}
     parsed = Metadata.read_from_file(str(variant / "metadata.json"))
     parsed.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, str(variant)))
+    # A development build, marked so in metadata.json; the loader's own parser still accepts it.
+    assert metadata[builder.DEVELOPMENT_KEY]["build"] == "development"
+    assert builder.is_development_build(variant)
+    kernels_rust.Metadata.read_from_file(str(variant / "metadata.json"))
     # The generated registration.h stays in the build tree, never beside the sources.
     assert (built_toy / "toy" / "build" / ".obj" / variant.name / "registration.h").is_file()
     assert not (built_toy / "toy" / "torch-ext" / "registration.h").exists()

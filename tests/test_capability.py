@@ -29,3 +29,9 @@ def test_exact_match_only():
     assert capability.mismatch_reason(["9.0a"], (10, 0)) == "built for sm_90a, this device is sm_100"
     assert capability.mismatch_reason(["10.0a"], (9, 0)) == "built for sm_100a, this device is sm_90"
     assert capability.mismatch_reason(["10.0a"], (10, 3)) == "built for sm_100a, this device is sm_103"
+
+
+@pytest.mark.parametrize("text, arch", [("sm_100a", "10.0a"), ("sm_90a", "9.0a"), ("compute_120f", "12.0f"),
+                                        ("90", "9.0"), ("9.0a", None), ("hopper", None)])
+def test_sm_names_translate_to_kernel_builders_form(text, arch):
+    assert capability.from_sm_name(text) == arch

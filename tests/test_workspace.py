@@ -58,6 +58,12 @@ def _toy_copy(tmp_path):
         ("version = 1\n", 'version = "one"\n', "field `general.version` must be an int"),
         ('[general.hub]\nrepo-id = "prime-intellect/toy"\n', "", "missing field `general.hub`"),
         ("[torch]", "[torch", "not valid TOML"),
+        ("version = 1\n", "version = 0\n", "field `general.version` must be an integer >= 1 (release branches are v1, v2, ...), got 0"),
+        ('cuda-capabilities = ["9.0a"]', 'cuda-capabilities = ["sm_100a"]',
+         "field `kernel.toy.cuda-capabilities`: 'sm_100a' is not a CUDA capability in kernel-builder's form "
+         '(major.minor plus an optional a/f suffix, e.g. "10.0a"): write "10.0a"'),
+        ('cuda-capabilities = ["9.0a"]', 'cuda-capabilities = ["9.0a", "hopper"]',
+         "'hopper' is not a CUDA capability in kernel-builder's form"),
     ],
 )
 def test_malformed_member_manifest_names_file_and_field(tmp_path, old, new, message):
@@ -77,6 +83,9 @@ def test_malformed_member_manifest_names_file_and_field(tmp_path, old, new, mess
         ("", "missing field `hub.toy`"),
         ("[hub.toy]\nversion = 1\nrevision = \"main\"\n", "exactly one of `version` or `revision`"),
         ("[hub.toy]\nversion = \"1\"\n", "field `hub.toy.version` must be an int"),
+        ("[hub.toy]\nversion = 0\n", "field `hub.toy.version` must be an integer >= 1 (release branches are v1, v2, ...), got 0"),
+        ("[hub.toy]\nrevision = \"\"\n", "field `hub.toy.revision` must be a non-empty string"),
+        ("[hub]\ntoy = 1\n", "field `hub.toy` must be a table"),
         ("[hub.toy]\nversion = 1\n[hub.other]\nversion = 1\n", "`hub.other` pins a kernel that is not in"),
     ],
 )
@@ -88,6 +97,20 @@ def test_malformed_workspace_manifest_names_file_and_field(tmp_path, hub, messag
     assert str(tmp_path / "build.toml") in str(e.value) and message in str(e.value)
 
 
+def test_member_folder_must_carry_the_python_name(tmp_path):
+    member = _toy_copy(tmp_path)
+    folder = member.rename(tmp_path / "my-op")
+    manifest = folder / "build.toml"
+    manifest.write_text(manifest.read_text().replace('name = "toy"', 'name = "my-op"'))
+    with pytest.raises(ManifestError) as e:
+        read_member(folder, {"version": 1})
+    assert str(e.value) == (
+        f"{manifest}: field `general.name` ('my-op') gives the Python package `my_op`, which must also be "
+        "the member's folder name; the folder is 'my-op': rename it to 'my_op' (and list 'my_op' in "
+        "`workspace.members`)"
+    )
+
+
 def test_revision_pin_is_read(tmp_path):
     _toy_copy(tmp_path)
     (tmp_path / "build.toml").write_text('[workspace]\nmembers = ["toy"]\n[hub.toy]\nrevision = "0123abc"\n')
@@ -95,7 +118,7 @@ def test_revision_pin_is_read(tmp_path):
     assert (spec.hub_version, spec.hub_revision, spec.hub_pin) == (None, "0123abc", "revision 0123abc")
 
 
-@pytest.mark.parametrize("flake", ["flake.nix", "rmsnorm/flake.nix", "flash_moe/flake.nix"])
+@pytest.mark.parametrize("flake", ["flake.nix", *(f"{m}/flake.nix" for m in MEMBERS)])
 def test_flake_parses_with_nix(flake):
     nix = shutil.which("nix-instantiate")
     if nix is None:
@@ -106,6 +129,7 @@ def test_flake_parses_with_nix(flake):
     assert result.returncode == 0, result.stderr
     text = (REPO / flake).read_text()
     if flake == "flake.nix":
-        assert "apps" in text and "build" in text
+        # The member list is build.toml's (tests/test_release_workspace.py evaluates the outputs).
+        assert "builtins.fromTOML (builtins.readFile ./build.toml)" in text
     else:
         assert "kernel-builder.lib.genKernelFlakeOutputs" in text and "path = ./.;" in text

@@ -23,6 +23,15 @@ def parse(arch: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+_SM_NAME = re.compile(r"(?:sm_|compute_)?(\d+)(\d)([af]?)")
+
+
+def from_sm_name(text: str) -> str | None:
+    """"sm_100a" (or "100a", "compute_90a") -> "10.0a", the form build.toml wants; None if it is not one."""
+    m = _SM_NAME.fullmatch(text)
+    return f"{m.group(1)}.{m.group(2)}{m.group(3)}" if m else None
+
+
 def sm_name(arch: str) -> str:
     """"9.0a" -> "sm_90a"."""
     m = _ARCH.fullmatch(arch)
