@@ -1,26 +1,21 @@
-"""DESIGN §6 is shared by both kernels: their pure-PyTorch references must agree bit for bit on
-the scale bytes, the e4m3 values and the blocked layout."""
+"""docs/DESIGN.md §6 is shared by both kernels: their pure-PyTorch references must agree bit for
+bit on the scale bytes, the e4m3 values and the blocked layout. (The rules themselves are one file,
+common/mxfp8_rules.py, copied into both; quantize_mxfp8 and the two packings are each kernel's own.)"""
 
-import importlib.util
 import pathlib
+import sys
 
 import pytest
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(member: str):
-    path = REPO / member / "torch-ext" / member / "reference.py"
-    spec = importlib.util.spec_from_file_location(f"{member}_reference_for_conventions", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.append(str(REPO / "common"))
+import kernel_package  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def refs():
-    return _load("flash_moe"), _load("rmsnorm")
+    return kernel_package.load_reference(REPO / "flash_moe"), kernel_package.load_reference(REPO / "rmsnorm")
 
 
 def _hard_blocks(R: int, K: int, seed: int) -> torch.Tensor:

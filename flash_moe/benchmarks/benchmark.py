@@ -1,4 +1,4 @@
-"""`kernels benchmark` convention: Benchmark subclasses for flash_moe (DESIGN §9 shapes).
+"""`kernels benchmark` convention: Benchmark subclasses for flash_moe (docs/DESIGN.md §9 shapes).
 
 Run with `kernels benchmark prime-intellect/flash_moe` (or a local path). Each benchmark_*
 method times one fused_moe_bf16 or fused_moe_mxfp8 forward (moe_align included, bpc from
@@ -8,20 +8,20 @@ dequantized inputs, i.e. the op's definition; the quantization error itself is m
 compare.py).
 """
 
-import importlib.util
 import pathlib
+import sys
 
 import torch
 from kernels.benchmark import Benchmark
 
-_REF = pathlib.Path(__file__).resolve().parents[1] / "torch-ext" / "flash_moe" / "reference.py"
+_HERE = pathlib.Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # the runner loads this file by path
+    sys.path.append(str(_HERE))
+import kernel_package  # noqa: E402
 
 
 def _reference():
-    spec = importlib.util.spec_from_file_location("flash_moe_reference", _REF)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+    return kernel_package.load_reference(_HERE.parent)
 
 
 class _MoEBench(Benchmark):

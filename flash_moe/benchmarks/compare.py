@@ -1,11 +1,11 @@
-"""Side-by-side benchmark of fused_moe_bf16 and fused_moe_mxfp8 (DESIGN §9), all in one run.
+"""Side-by-side benchmark of fused_moe_bf16 and fused_moe_mxfp8 (docs/DESIGN.md §9), all in one run.
 
 Measures the ceilings (device-to-device copy, 8192^3 bf16 matmul), our op (moe_align INCLUDED
 in the prime-kernels row; the op alone is printed too), the unfused path (sort, gather, three
 torch._grouped_mm, SwiGLU, weight, index_add), its three grouped GEMMs alone on inputs already
 sorted and gathered (`grouped_mm GEMMs only`: torch._grouped_mm is CUTLASS's Hopper grouped
 GEMM, the library kernel our hand-written GEMMs are measured against; no rel_err, it is not the
-whole op) and Liger's LigerFusedMoEFunction (autotune off) on the DESIGN §9 shapes. CUDA
+whole op) and Liger's LigerFusedMoEFunction (autotune off) on the docs/DESIGN.md §9 shapes. CUDA
 events, median of >= 20 timed calls after warm-up; x/routing rotate over several copies (the
 expert weights alone exceed the 50 MB L2 in every shape).
 
@@ -18,7 +18,7 @@ the fp32 truth of the ORIGINAL inputs; quant_floor_rel_err is the error that qua
 costs (fp32 MoE of the dequantized inputs). Then quantize_mxfp8 alone on bf16 (N, C) inputs,
 row-major and blocked scales (GB/s counts 2 B read + 1 B + 1/32 B scale written per element).
 
-Writes <out>/h200.json (DESIGN §9 schema) and a PNG beside it.
+Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
 
 Our ops run as a caller who passes no tuning argument calls them: `bpc=None`, which takes
 `flash_moe.preferred_bpc(shape)` (CTA pairs where they measured faster; recorded as `bpc` in the
@@ -32,9 +32,9 @@ Sustained rates (unless --no-sustained): the matmul ceiling and our ops also run
 ~1.5 s while nvidia-smi samples the SM clock, the board power and the sw_power_cap clock-event
 reason every 20 ms; recorded as `sustained` in the ceilings and in our rows ({ms, tflops, sm_mhz,
 power_w, power_capped: the fraction of samples in which nvidia-smi reports that reason active}).
-The DESIGN §9 timing above leaves ~2 ms idle before each call, which lets a short kernel run much
+The docs/DESIGN.md §9 timing above leaves ~2 ms idle before each call, which lets a short kernel run much
 of its time at boost clocks; back to back, as in a training step, the matmul and the large MoE
-shapes run at the H200's 700 W power limit, well below boost (NOTES.md, session 12).
+shapes run at the H200's 700 W power limit, well below boost (flash_moe/DESIGN.md §5).
 
 usage: python3 flash_moe/benchmarks/compare.py [--out DIR] [--iters 20] [--shapes 0,1,2,3,4] [--no-liger]
        [--no-mxfp8] [--no-profile] [--no-sustained]
@@ -59,6 +59,11 @@ import torch  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 MEMBER = HERE.parent
+if str(HERE) not in sys.path:  # loaded by path (the CPU tests) rather than run as a script
+    sys.path.append(str(HERE))
+import kernel_package  # noqa: E402
+from bench_timing import ceilings, median_ms  # noqa: E402
+
 SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (8192, 4096, 1536, 128, 8),
           (8192, 7168, 2048, 256, 8), (1024, 2048, 768, 128, 8)]
 QUANT_SHAPES = [(65536, 4096), (16384, 7168)]  # (N, C) bf16 inputs of quantize_mxfp8
@@ -69,51 +74,6 @@ def load_kernel():
     import prime_kernels
 
     return prime_kernels.load("flash_moe")
-
-
-def load_reference():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("flash_moe_reference", MEMBER / "torch-ext/flash_moe/reference.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
-
-
-def time_ms(fn, iters, warmup=3):
-    for _ in range(warmup):
-        fn(0)
-    torch.cuda.synchronize()
-    ts = []
-    for i in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        # ~1 ms GPU spin first, so the host has enqueued fn's work before the start event fires:
-        # the events time the GPU work, not Python's dispatch gap (as rmsnorm's compare.py does)
-        torch.cuda._sleep(2_000_000)
-        a.record()
-        fn(i + 1)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def ceilings(iters, monitor=None):
-    """Copy GB/s and 8192^3 bf16 matmul TFLOP/s (DESIGN §9 timing), and the matmul back to back
-    (monitor.sustained) when a monitor is given (else None)."""
-    n = 1 << 30  # 1 GiB
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda i: dst.copy_(src), iters)
-    copy = 2 * n / ms / 1e6
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda").bfloat16()
-    b = torch.randn(8192, 8192, device="cuda").bfloat16()
-    ms = time_ms(lambda i: a @ b, iters)
-    mm = 2 * 8192 ** 3 / ms / 1e9
-    sustained = monitor.sustained(lambda i: a @ b, 2 * 8192 ** 3) if monitor else None
-    return copy, mm, sustained
 
 
 class ClockMonitor:
@@ -276,12 +236,12 @@ def op_alone_by_bpc(op_for_bpc, iters):
     pair kept (fresh H200s drift by several % at the large shapes within seconds)."""
     times = {1: [], 2: []}
     for b in (1, 2, 2, 1):
-        times[b].append(time_ms(op_for_bpc(b), iters))
+        times[b].append(median_ms(op_for_bpc(b), iters))
     return {b: round(min(v), 4) for b, v in times.items()}
 
 
 def moe_row(rows, op, impl, si, ms, err, **extra):
-    """Record and print one MoE row (DESIGN §9 schema) of shape SHAPES[si]; err None: a row that
+    """Record and print one MoE row (docs/DESIGN.md §9 schema) of shape SHAPES[si]; err None: a row that
     does not compute the whole op (no rel_err_vs_fp32). Extra fields that are None are left out."""
     T, K, I, E, top_k = SHAPES[si]
     flops = 6 * T * top_k * K * I
@@ -340,7 +300,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
     outs[0].fill_(float("nan"))  # poisoned: an unwritten row shows up in the error
     ours(0)
     err = rel(outs[0])
-    ms = time_ms(ours, args.iters)
+    ms = median_ms(ours, args.iters)
     ms_by_bpc = op_alone_by_bpc(ours_op, args.iters)
     print(f"{SHAPES[si]} mxfp8 op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
           f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
@@ -355,7 +315,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
             return unfused(xd, wd[:, :I].transpose(1, 2), wd[:, I:].transpose(1, 2), w2d.transpose(1, 2), ids, wt, E)
 
         err_u = rel(deq_unfused(0))
-        row("dequant+grouped_mm", time_ms(deq_unfused, args.iters), err_u)
+        row("dequant+grouped_mm", median_ms(deq_unfused, args.iters), err_u)
     except Exception as e:  # noqa: BLE001
         print(f"dequant+grouped_mm failed on {SHAPES[si]}: {e}")
     torch.cuda.empty_cache()
@@ -372,7 +332,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
         outs[0].fill_(float("nan"))
         deq_fused(0)
         err_d = rel(outs[0])
-        row("dequant+fused_bf16", time_ms(deq_fused, args.iters), err_d,
+        row("dequant+fused_bf16", median_ms(deq_fused, args.iters), err_d,
             note="alternative: dequantize everything, then the bf16 op")
     except Exception as e:  # noqa: BLE001
         print(f"dequant+fused_bf16 failed on {SHAPES[si]}: {e}")
@@ -391,7 +351,7 @@ def quantize_rows(kernel, ref, args, copy, rows):
             rv, rs = ref.quantize_mxfp8(xs[0][:1024].cpu(), blocked=blocked)
             exact = bool(torch.equal(v.view(torch.uint8).cpu(), rv.view(torch.uint8)) and
                          torch.equal(sc.view(torch.uint8).cpu().reshape(-1), rs.view(torch.uint8).reshape(-1)))
-            ms = time_ms(lambda i, b=blocked: kernel.quantize_mxfp8(xs[i % len(xs)], blocked=b), args.iters)
+            ms = median_ms(lambda i, b=blocked: kernel.quantize_mxfp8(xs[i % len(xs)], blocked=b), args.iters)
             gbps = N * C * (2 + 1 + 1 / 32) / ms / 1e6
             rows.append({"op": "quantize_mxfp8", "impl": "prime-kernels",
                          "shape": {"N": N, "C": C, "blocked": blocked}, "ms": round(ms, 4), "GBps": round(gbps, 1),
@@ -510,7 +470,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
 
     kernel = load_kernel()
-    ref = load_reference()
+    ref = kernel_package.load_reference(MEMBER)
     liger = None
     if not args.no_liger:
         try:
@@ -572,7 +532,7 @@ def main():
         outs[0].fill_(float("nan"))  # poisoned: an unwritten row shows up in the error
         ours(0)
         err = rel(outs[0])
-        ms = time_ms(ours, args.iters)
+        ms = median_ms(ours, args.iters)
         ms_by_bpc = op_alone_by_bpc(ours_op, args.iters)
         kernels = profile_kernels(ours) if args.profile else None
         print(f"{SHAPES[si]} op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
@@ -591,14 +551,14 @@ def main():
                 return unfused(x, wg, wu, w2t, ids, wt, E)
 
             err_u = rel(peer(0))
-            moe_row(rows, "fused_moe_bf16", "grouped_mm", si, time_ms(peer, args.iters), err_u)
+            moe_row(rows, "fused_moe_bf16", "grouped_mm", si, median_ms(peer, args.iters), err_u)
 
             gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E)[2:] for (x, ids, _) in sets]
 
             def gemms_only(i):
                 return grouped_gemms(*gemm_inputs[i % len(gemm_inputs)], wg, wu, w2t)
 
-            moe_row(rows, "fused_moe_bf16", "grouped_mm GEMMs only", si, time_ms(gemms_only, args.iters), None,
+            moe_row(rows, "fused_moe_bf16", "grouped_mm GEMMs only", si, median_ms(gemms_only, args.iters), None,
                     note="the three CUTLASS grouped GEMMs of the unfused path alone, inputs pre-gathered")
             del gemm_inputs
             torch.cuda.empty_cache()
@@ -613,7 +573,7 @@ def main():
                         return liger.apply(x, w, w2, ids, wt.to(torch.bfloat16))
 
                 err_l = rel(lig(0))
-                moe_row(rows, "fused_moe_bf16", "liger", si, time_ms(lig, args.iters), err_l)
+                moe_row(rows, "fused_moe_bf16", "liger", si, median_ms(lig, args.iters), err_l)
             except Exception as e:  # noqa: BLE001
                 print(f"liger failed on {SHAPES[si]}: {e}")
         del aligned

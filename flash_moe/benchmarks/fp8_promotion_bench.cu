@@ -1,4 +1,4 @@
-// Microbenchmark behind NOTES.md's "fp8 wgmma with per-32-K promotion" alternative for
+// Microbenchmark behind flash_moe/DESIGN.md's "fp8 wgmma with per-32-K promotion" alternative for
 // fused_moe_mxfp8: can fp8 wgmma with exact MX block scaling (acc += partial * 2^(sa_row +
 // sb_col) after every k32 wgmma) beat bf16 wgmma on Hopper? Four loops of the same FLOPs per
 // CTA, one CTA per SM, 2 warpgroups each computing m64n128 per step; the operands are whatever

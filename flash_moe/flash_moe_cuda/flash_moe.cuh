@@ -93,9 +93,9 @@ struct FusedMoeMxfp8Args {
   const void* x;               // (M, K) e4m3; K and I multiples of kMxfp8KBlock
   const uint8_t* x_scales;     // (M, K/32) e8m0 bytes, row-major
   const void* w;               // (E, 2I, K) e4m3
-  const uint8_t* w_scales;     // blocked layout of the (E*2I, K/32) scale matrix
+  const uint8_t* w_scales;     // each expert's (2I, K/32) scales in the blocked layout, concatenated
   const void* w2;              // (E, K, I) e4m3
-  const uint8_t* w2_scales;    // blocked layout of the (E*K, I/32) scale matrix
+  const uint8_t* w2_scales;    // each expert's (K, I/32) scales in the blocked layout, concatenated
   const int32_t* sorted_ids;
   const int32_t* expert_ids;
   const int32_t* ntpp;

@@ -1,5 +1,5 @@
-// MXFP8 element and scale conversions (DESIGN §6) shared by the quantize/dequantize kernels and
-// the GEMM's B-operand dequantization. Device code only.
+// MXFP8 element and scale conversions (docs/DESIGN.md §6) shared by the quantize/dequantize
+// kernels and the GEMM's B-operand dequantization. Device code only.
 #pragma once
 
 #include <cstdint>
@@ -7,30 +7,18 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "mxfp8_rules.cuh"
+
 namespace flash_moe {
 namespace mx {
 
-// RCEIL scale byte from the bit pattern of amax = max|y| over a block. The unsigned order of
-// |y| bit patterns is the float order with NaN above +Inf, so one integer max carries
-// "non-finite" too (-> 255).
-__device__ __forceinline__ uint32_t scale_byte_from_amax_bits(uint32_t amax_bits) {
-  if (amax_bits >= 0x7f800000u) return 255u;
-  const float t = __fmul_rn(__uint_as_float(amax_bits), 1.0f / 448.0f);
-  const uint32_t tb = __float_as_uint(t);
-  const uint32_t byte = (tb >> 23) + ((tb & 0x007fffffu) != 0u ? 1u : 0u);
-  return byte > 254u ? 254u : byte;
-}
-
-// 2^(127 - byte) as an exact fp32 (subnormal for bytes 254 and 255): the quantization multiplier.
-__device__ __forceinline__ float quant_multiplier(uint32_t byte) {
-  const int e = 254 - static_cast<int>(byte);
-  return e >= 1 ? __uint_as_float(static_cast<uint32_t>(e) << 23) : __uint_as_float(0x00400000u >> (-e));
-}
-
-// Two fp32 -> two e4m3 (saturating, round-to-nearest-even): a -> low byte, b -> high byte.
-__device__ __forceinline__ uint32_t e4m3x2_from_floats(float a, float b) {
-  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
-}
+// The rules rmsnorm implements too (scale byte, multiplier, e4m3 packing, blocked layout): one
+// source, common/mxfp8_rules.cuh.
+using mxfp8_rules::blocked_offset;
+using mxfp8_rules::blocked_offset_in_chunk;
+using mxfp8_rules::e4m3x2_from_floats;
+using mxfp8_rules::quant_multiplier;
+using mxfp8_rules::scale_byte_from_amax_bits;
 
 // Bytes kI and kJ of w (two e4m3) -> two bf16 holding q * 2^-120 exactly (the low half from
 // byte kI). prmt puts each byte in the low half of a 16-bit lane with its sign replicated into
@@ -163,18 +151,6 @@ __device__ __forceinline__ void dequant16_f16(const uint4& q, uint32_t scale, ui
                   f16x2_mul(f16x2_from_e4m3x2(q.y), scale), f16x2_mul(f16x2_from_e4m3x2(q.y >> 16), scale));
   hi = make_uint4(f16x2_mul(f16x2_from_e4m3x2(q.z), scale), f16x2_mul(f16x2_from_e4m3x2(q.z >> 16), scale),
                   f16x2_mul(f16x2_from_e4m3x2(q.w), scale), f16x2_mul(f16x2_from_e4m3x2(q.w >> 16), scale));
-}
-
-// The blocked layout of an (R, S) scale matrix (DESIGN §6): 512-byte chunks of 128 rows x 4
-// columns, chunk (r / 128, s / 4) at ((r / 128) * ceil(S / 4) + s / 4) * 512. Unsigned, so the
-// divisions and remainders by powers of two are shifts and masks.
-// Byte offset of scale (r, s) inside its chunk.
-__host__ __device__ __forceinline__ uint64_t blocked_offset_in_chunk(uint64_t r, uint32_t s) {
-  return (r % 32) * 16 + ((r % 128) / 32) * 4 + s % 4;
-}
-// Byte offset of scale (r, s).
-__host__ __device__ __forceinline__ uint64_t blocked_offset(uint64_t r, uint32_t s, uint32_t S) {
-  return ((r / 128) * ((S + 3) / 4) + s / 4) * 512 + blocked_offset_in_chunk(r, s);
 }
 
 }  // namespace mx

@@ -1,4 +1,4 @@
-// quantize_mxfp8 and dequantize_mxfp8 on the GPU (DESIGN §6): bandwidth-bound elementwise
+// quantize_mxfp8 and dequantize_mxfp8 on the GPU (docs/DESIGN.md §6): bandwidth-bound elementwise
 // kernels.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -2,9 +2,9 @@
 rows claim, so a peer's time is the time of that computation; its kernel labels and its
 back-to-back rows' clock fields are what they say."""
 
-import importlib.util
 import pathlib
 
+import kernel_package
 import pytest
 import torch
 
@@ -13,10 +13,7 @@ MEMBER = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("flash_moe_compare", MEMBER / "benchmarks" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return kernel_package.load_file("flash_moe_compare", MEMBER / "benchmarks" / "compare.py")
 
 
 def _problem(T=64, K=64, I=32, E=8, top_k=3):

@@ -1,5 +1,5 @@
-"""The fp8-promotion microbenchmark (benchmarks/fp8_promotion_bench.cu, NOTES.md "Alternatives
-measured") still compiles against sm90.cuh. It runs on an H200 only; compiling needs just nvcc."""
+"""The fp8-promotion microbenchmark (benchmarks/fp8_promotion_bench.cu, the measured alternative
+of flash_moe/DESIGN.md) still compiles against sm90.cuh. It runs on an H200 only; compiling needs just nvcc."""
 
 import pathlib
 import subprocess

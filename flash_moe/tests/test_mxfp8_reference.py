@@ -1,5 +1,5 @@
 """CPU tests of the MXFP8 references: dequantization, the blocked-layout inverse and the
-fused_moe_mxfp8 reference (DESIGN §5, §6). No GPU needed."""
+fused_moe_mxfp8 reference (docs/DESIGN.md §5, §6). No GPU needed."""
 
 import math
 

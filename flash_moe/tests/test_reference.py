@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import kernel_package
 import pytest
 import torch
 
@@ -31,19 +32,19 @@ def test_moe_align_invariants(reference, M, top_k, E, bm):
     n_slots = M * top_k
     L = reference.aligned_length(n_slots, E, bm)
     assert s.numel() == L and L % bm == 0 and e.numel() == L // bm
-    ntpp = int(n)
-    assert ntpp % bm == 0 and ntpp <= L
+    used_len = int(n)  # num_tokens_post_padded: the padded length filled
+    assert used_len % bm == 0 and used_len <= L
     flat = ids.reshape(-1)
-    live = s[:ntpp][s[:ntpp] != n_slots]
+    live = s[:used_len][s[:used_len] != n_slots]
     # every live slot once, -1 slots never
     assert sorted(live.tolist()) == torch.nonzero(flat >= 0).reshape(-1).tolist()
-    for b in range(ntpp // bm):
+    for b in range(used_len // bm):
         blk = s[b * bm:(b + 1) * bm]
         real = blk[blk != n_slots]
         assert (flat[real.long()] == e[b]).all()
         assert real.tolist() == sorted(real.tolist())  # stable inside the expert
-    assert (e[ntpp // bm:] == -1).all()
-    assert (s[ntpp:] == n_slots).all()
+    assert (e[used_len // bm:] == -1).all()
+    assert (s[used_len:] == n_slots).all()
 
 
 def test_reference_fused_matches_fp32_truth(reference):
@@ -107,12 +108,10 @@ def test_quantize_mxfp8_bit_patterns(reference):
 
 def _init_module(reference):
     """The package __init__ with a stub ._ops (no native code), to test pure-Python parts."""
-    import importlib.util
     import sys
     import types
 
-    pkg = types.ModuleType("flash_moe_cpu_pkg")
-    pkg.__path__ = [str(MEMBER / "torch-ext" / "flash_moe")]
+    folder = MEMBER / "torch-ext" / "flash_moe"
     ops_mod = types.ModuleType("flash_moe_cpu_pkg._ops")
     lib = torch.library.Library("flash_moe_cpu_test", "FRAGMENT")
     lib.define("moe_align(Tensor topk_ids, int num_experts, int block_m, int bpc) -> (Tensor, Tensor, Tensor)")
@@ -129,14 +128,8 @@ def _init_module(reference):
     ops_mod.ops = torch.ops.flash_moe_cpu_test
     ops_mod.add_op_namespace_prefix = lambda name: f"flash_moe_cpu_test::{name}"
     ops_mod._lib = lib
-    sys.modules["flash_moe_cpu_pkg"] = pkg
     sys.modules["flash_moe_cpu_pkg._ops"] = ops_mod
-    spec = importlib.util.spec_from_file_location("flash_moe_cpu_pkg", MEMBER / "torch-ext" / "flash_moe" / "__init__.py",
-                                                  submodule_search_locations=pkg.__path__)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["flash_moe_cpu_pkg"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return kernel_package.load_file("flash_moe_cpu_pkg", folder / "__init__.py", package=True)
 
 
 @pytest.fixture(scope="module")

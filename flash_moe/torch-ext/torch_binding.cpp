@@ -7,74 +7,39 @@
 
 #include "registration.h"
 #include "torch_binding.h"
+#include "torch_check.h"
 #include "../flash_moe_cuda/flash_moe.cuh"
 
-#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
 namespace {
 
-// Messages are assembled here with std::to_string and std::string only: streaming integers
-// through std::ostream inside this extension crashed on the GPU machine (SIGSEGV in
-// std::basic_ostream::_M_insert<long> / codecvt, seen with torch 2.11 + the local builder),
-// so no argument of a TORCH_CHECK below is an integer, a shape or a device.
-void fm_append(std::string& s, const char* v) { s += v; }
-void fm_append(std::string& s, const std::string& v) { s += v; }
-void fm_append(std::string& s, int64_t v) { s += std::to_string(v); }
-void fm_append(std::string& s, int v) { s += std::to_string(v); }
-void fm_append(std::string& s, at::IntArrayRef v) {
-  s += "[";
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(v[i]);
-  }
-  s += "]";
-}
-void fm_append(std::string& s, const c10::Device& d) { s += d.str(); }
-void fm_append(std::string& s, at::ScalarType t) { s += c10::toString(t); }
-void fm_append(std::string& s, const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%p", p);
-  s += buf;
-}
-template <typename... Args>
-std::string fm_msg(const Args&... args) {
-  std::string s;
-  (fm_append(s, args), ...);
-  return s;
-}
-
-}  // namespace
-
-// TORCH_CHECK with a message assembled without iostreams (see above).
-#define FM_CHECK(cond, ...) TORCH_CHECK(cond, fm_msg(__VA_ARGS__).c_str())
-
-namespace {
-
+// moe_align's buffer length ceil((n_slots + E*(block_m-1))/block_m)*block_m (docs/DESIGN.md §5):
+// the one C++ statement of it; the Python one is reference.aligned_length.
 int64_t aligned_length(int64_t n_slots, int64_t E, int64_t block_m) {
   return (n_slots + E * (block_m - 1) + block_m - 1) / block_m * block_m;
 }
 
 void check_cuda_contig(const at::Tensor& t, const char* op, const char* name) {
-  FM_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
-  FM_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides(), " for sizes ",
-              t.sizes());
+  PK_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  PK_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides(), " for sizes ",
+           t.sizes());
 }
 
 void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const char* name) {
-  FM_CHECK(t.scalar_type() == want, op, ": ", name, " must have dtype ", want, ", got ", t.scalar_type());
+  PK_CHECK(t.scalar_type() == want, op, ": ", name, " must have dtype ", want, ", got ", t.scalar_type());
 }
 
 void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
-  FM_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as x (", ref.device(),
-              "), got ", t.device());
+  PK_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as x (", ref.device(),
+           "), got ", t.device());
 }
 
 void check_aligned16(const at::Tensor& t, const char* op, const char* name) {
-  FM_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
-              " must start at a 16-byte aligned address (TMA/vector loads), got data_ptr ", t.data_ptr());
+  PK_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op, ": ", name,
+           " must start at a 16-byte aligned address (TMA/vector loads), got data_ptr ", t.data_ptr());
 }
 
 }  // namespace
@@ -84,18 +49,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_
   const char* op = "moe_align";
   check_cuda_contig(topk_ids, op, "topk_ids");
   check_dtype(topk_ids, at::kInt, op, "topk_ids");
-  FM_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be 2-D (M, top_k), got shape ", topk_ids.sizes());
+  PK_CHECK(topk_ids.dim() == 2, op, ": topk_ids must be 2-D (M, top_k), got shape ", topk_ids.sizes());
   const int64_t top_k = topk_ids.size(1);
-  FM_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": topk_ids.size(1) (top_k) must be in [1, ",
-              flash_moe::kMaxTopK, "], got ", top_k);
-  FM_CHECK(num_experts >= 1 && num_experts <= flash_moe::kMaxExperts, op, ": num_experts must be in [1, ",
-              flash_moe::kMaxExperts, "], got ", num_experts);
-  FM_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM,
-              " (the only token block the Hopper kernel implements), got ", block_m);
-  FM_CHECK(bpc == 1, op, ": bpc must be 1 (clusters of several blocks are not implemented), got ", bpc);
+  PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": topk_ids.size(1) (top_k) must be in [1, ",
+           flash_moe::kMaxTopK, "], got ", top_k);
+  PK_CHECK(num_experts >= 1 && num_experts <= flash_moe::kMaxExperts, op, ": num_experts must be in [1, ",
+           flash_moe::kMaxExperts, "], got ", num_experts);
+  PK_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM,
+           " (the only token block the Hopper kernel implements), got ", block_m);
+  PK_CHECK(bpc == 1, op, ": bpc must be 1 (clusters of several blocks are not implemented), got ", bpc);
   const int64_t n = topk_ids.numel();
-  FM_CHECK(n + num_experts * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
-              n);
+  PK_CHECK(n + num_experts * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
+           n);
   const c10::cuda::CUDAGuard guard(topk_ids.device());
   const int64_t L = aligned_length(n, num_experts, block_m);
   auto iopt = topk_ids.options();
@@ -107,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_
                                                sorted.data_ptr<int32_t>(), L, experts.data_ptr<int32_t>(),
                                                ntpp.data_ptr<int32_t>(), ws.data_ptr<int32_t>(),
                                                at::cuda::getCurrentCUDAStream());
-  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
   return {sorted, experts, ntpp};
 }
 
@@ -124,13 +89,13 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
                          const at::Tensor& out, int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
                          int64_t bpc, int64_t cpc) {
-  FM_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
-  FM_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
-  FM_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
-  FM_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
-  FM_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
-  FM_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
-              "], got ", top_k);
+  PK_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
+  PK_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
+  PK_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
+  PK_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
+  PK_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
+  PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
+           "], got ", top_k);
 
   check_cuda_contig(x, op, "x");
   check_cuda_contig(w, op, "w");
@@ -153,40 +118,40 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   check_dtype(num_tokens_post_padded, at::kInt, op, "num_tokens_post_padded");
   check_dtype(topk_weights, at::kFloat, op, "topk_weights");
 
-  FM_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", x.sizes());
+  PK_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
-  FM_CHECK(w.dim() == 3, op, ": w must be 3-D (E, 2*I, K), got shape ", w.sizes());
+  PK_CHECK(w.dim() == 3, op, ": w must be 3-D (E, 2*I, K), got shape ", w.sizes());
   const int64_t E = w.size(0), N = w.size(1);
-  FM_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": w.size(0) (experts) must be in [1, ",
-              flash_moe::kMaxExperts, "], got ", E);
-  FM_CHECK(w.size(2) == K, op, ": w.size(2) must equal x.size(1) = ", K, ", got ", w.size(2));
-  FM_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
+  PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": w.size(0) (experts) must be in [1, ",
+           flash_moe::kMaxExperts, "], got ", E);
+  PK_CHECK(w.size(2) == K, op, ": w.size(2) must equal x.size(1) = ", K, ", got ", w.size(2));
+  PK_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
   const int64_t I = N / 2;
-  FM_CHECK(K > 0 && K % 8 == 0, op, ": x.size(1) (K) must be a positive multiple of 8, got ", K);
-  FM_CHECK(I % 8 == 0, op, ": I = w.size(1)/2 must be a multiple of 8, got ", I);
-  FM_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, K, I), got shape ", w2.sizes());
-  FM_CHECK(w2.size(0) == E, op, ": w2.size(0) must equal w.size(0) = ", E, ", got ", w2.size(0));
-  FM_CHECK(w2.size(1) == K, op, ": w2.size(1) must equal x.size(1) = ", K, ", got ", w2.size(1));
-  FM_CHECK(w2.size(2) == I, op, ": w2.size(2) must equal w.size(1)/2 = ", I, ", got ", w2.size(2));
-  FM_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, op, ": out must have shape (", M, ", ", K,
-              ") like x, got ", out.sizes());
-  FM_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == M && topk_weights.size(1) == top_k, op,
-              ": topk_weights must have shape (M, top_k) = (", M, ", ", top_k, "), got ", topk_weights.sizes());
-  FM_CHECK(M * top_k + E * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
-              M * top_k);
-  FM_CHECK(sorted_token_ids.dim() == 1, op, ": sorted_token_ids must be 1-D, got shape ",
-              sorted_token_ids.sizes());
+  PK_CHECK(K > 0 && K % 8 == 0, op, ": x.size(1) (K) must be a positive multiple of 8, got ", K);
+  PK_CHECK(I % 8 == 0, op, ": I = w.size(1)/2 must be a multiple of 8, got ", I);
+  PK_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, K, I), got shape ", w2.sizes());
+  PK_CHECK(w2.size(0) == E, op, ": w2.size(0) must equal w.size(0) = ", E, ", got ", w2.size(0));
+  PK_CHECK(w2.size(1) == K, op, ": w2.size(1) must equal x.size(1) = ", K, ", got ", w2.size(1));
+  PK_CHECK(w2.size(2) == I, op, ": w2.size(2) must equal w.size(1)/2 = ", I, ", got ", w2.size(2));
+  PK_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, op, ": out must have shape (", M, ", ", K,
+           ") like x, got ", out.sizes());
+  PK_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == M && topk_weights.size(1) == top_k, op,
+           ": topk_weights must have shape (M, top_k) = (", M, ", ", top_k, "), got ", topk_weights.sizes());
+  PK_CHECK(M * top_k + E * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
+           M * top_k);
+  PK_CHECK(sorted_token_ids.dim() == 1, op, ": sorted_token_ids must be 1-D, got shape ",
+           sorted_token_ids.sizes());
   const int64_t L = sorted_token_ids.size(0);
   const int64_t need = aligned_length(M * top_k, E, block_m);
-  FM_CHECK(L >= need && L % block_m == 0, op,
-              ": sorted_token_ids must have moe_align's length ceil((M*top_k + E*(block_m-1))/block_m)*block_m = ",
-              need, " (or longer, a multiple of block_m), got ", L);
-  FM_CHECK(L < (int64_t(1) << 31), op, ": sorted_token_ids length must be below 2^31, got ", L);
-  FM_CHECK(expert_ids.dim() == 1 && expert_ids.size(0) >= L / block_m, op,
-              ": expert_ids must be 1-D with at least len(sorted_token_ids)/block_m = ", L / block_m,
-              " entries, got shape ", expert_ids.sizes());
-  FM_CHECK(num_tokens_post_padded.numel() >= 1, op,
-              ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
+  PK_CHECK(L >= need && L % block_m == 0, op,
+           ": sorted_token_ids must have moe_align's length ceil((M*top_k + E*(block_m-1))/block_m)*block_m = ",
+           need, " (or longer, a multiple of block_m), got ", L);
+  PK_CHECK(L < (int64_t(1) << 31), op, ": sorted_token_ids length must be below 2^31, got ", L);
+  PK_CHECK(expert_ids.dim() == 1 && expert_ids.size(0) >= L / block_m, op,
+           ": expert_ids must be 1-D with at least len(sorted_token_ids)/block_m = ", L / block_m,
+           " entries, got shape ", expert_ids.sizes());
+  PK_CHECK(num_tokens_post_padded.numel() >= 1, op,
+           ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
   check_aligned16(x, op, "x");
   check_aligned16(w, op, "w");
   check_aligned16(w2, op, "w2");
@@ -200,7 +165,7 @@ void check_scales(const at::Tensor& s, const at::Tensor& x, int64_t numel, const
   check_cuda_contig(s, op, name);
   check_same_device(s, x, op, name);
   check_dtype(s, at::kFloat8_e8m0fnu, op, name);
-  FM_CHECK(s.numel() == numel, op, ": ", name, " must hold ", numel, " scales (", layout, "), got ", s.numel(),
+  PK_CHECK(s.numel() == numel, op, ": ", name, " must hold ", numel, " scales (", layout, "), got ", s.numel(),
            " (shape ", s.sizes(), ")");
 }
 
@@ -211,7 +176,7 @@ void check_weight_scales(const at::Tensor& s, const at::Tensor& x, int64_t E, in
                          const char* name, const char* shape) {
   const int64_t want = E * flash_moe::mxfp8_blocked_scale_bytes(R, S);
   const int64_t flat = flash_moe::mxfp8_blocked_scale_bytes(E * R, S);
-  FM_CHECK(!(s.numel() == flat && flat != want), op, ": ", name, " holds ", s.numel(),
+  PK_CHECK(!(s.numel() == flat && flat != want), op, ": ", name, " holds ", s.numel(),
            " scales: the (E*R, S) flattening of its ", shape, " scales packed as one matrix, which differs from",
            " packing each expert on its own when R = ", R, " is not a multiple of 128; pass the 3-D scales to",
            " pack_scales_blocked (or quantize_mxfp8(weights, blocked=True)), which packs each expert on its own");
@@ -249,8 +214,8 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                     int64_t cpc, bool split) {
   const char* op = "fused_moe_bf16";
-  FM_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
-              flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
+  PK_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
+           flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
   check_dtype(x, at::kBFloat16, op, "x");
@@ -268,7 +233,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, bpc,
               split, ws);
   const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
-  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }
 
 void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
@@ -278,7 +243,7 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
                      int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                      int64_t cpc, bool split) {
   const char* op = "fused_moe_mxfp8";
-  FM_CHECK(stages == flash_moe::kMxfp8Stages, op, ": stages must be ", flash_moe::kMxfp8Stages,
+  PK_CHECK(stages == flash_moe::kMxfp8Stages, op, ": stages must be ", flash_moe::kMxfp8Stages,
            " (the only pipeline depth the MXFP8 kernel is built for), got ", stages);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
@@ -286,10 +251,10 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   check_dtype(w, at::kFloat8_e4m3fn, op, "w");
   check_dtype(w2, at::kFloat8_e4m3fn, op, "w2");
   const int64_t blk = flash_moe::kMxfp8ScaleBlock, kblk = flash_moe::kMxfp8KBlock;
-  FM_CHECK(d.K % kblk == 0, op, ": x.size(1) (K) must be a multiple of 64 (the MXFP8 kernel's K block), got ", d.K);
-  FM_CHECK(d.I % kblk == 0, op, ": I = w.size(1)/2 must be a multiple of 64 (the MXFP8 kernel's K block), got ",
+  PK_CHECK(d.K % kblk == 0, op, ": x.size(1) (K) must be a multiple of 64 (the MXFP8 kernel's K block), got ", d.K);
+  PK_CHECK(d.I % kblk == 0, op, ": I = w.size(1)/2 must be a multiple of 64 (the MXFP8 kernel's K block), got ",
            d.I);
-  FM_CHECK(x_scales.dim() == 2 && x_scales.size(0) == d.M && x_scales.size(1) == d.K / blk, op,
+  PK_CHECK(x_scales.dim() == 2 && x_scales.size(0) == d.M && x_scales.size(1) == d.K / blk, op,
            ": x_scales must have shape (M, K/32) = (", d.M, ", ", d.K / blk, "), row-major, got ", x_scales.sizes());
   check_scales(x_scales, x, d.M * (d.K / blk), op, "x_scales", "row-major (M, K/32)");
   check_weight_scales(w_scales, x, d.E, 2 * d.I, d.K / blk, op, "w_scales", "(E, 2I, K/32)");
@@ -315,17 +280,17 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   const char* general = std::getenv("FLASH_MOE_MXFP8_GENERAL");
   a.f16_window = !(general != nullptr && general[0] != '\0' && general[0] != '0');
   const cudaError_t err = flash_moe::fused_moe_mxfp8(a, at::cuda::getCurrentCUDAStream());
-  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_mxfp8(const at::Tensor& t, bool blocked) {
   const char* op = "quantize_mxfp8";
   check_cuda_contig(t, op, "t");
-  FM_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, op,
+  PK_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, op,
            ": t must have dtype BFloat16 or Float, got ", t.scalar_type());
-  FM_CHECK(t.dim() >= 1, op, ": t must have at least 1 dimension, got shape ", t.sizes());
+  PK_CHECK(t.dim() >= 1, op, ": t must have at least 1 dimension, got shape ", t.sizes());
   const int64_t K = t.size(-1);
-  FM_CHECK(K > 0 && K % flash_moe::kMxfp8ScaleBlock == 0, op,
+  PK_CHECK(K > 0 && K % flash_moe::kMxfp8ScaleBlock == 0, op,
            ": t.size(-1) must be a positive multiple of 32 (the MXFP8 scale block), got ", K);
   check_aligned16(t, op, "t");
   const int64_t R = t.numel() / K, S = K / flash_moe::kMxfp8ScaleBlock;
@@ -343,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_mxfp8(const at::Tensor& t, bool bloc
       t.data_ptr(), t.scalar_type() == at::kBFloat16 ? flash_moe::FloatKind::kBf16 : flash_moe::FloatKind::kFp32, R,
       K, static_cast<uint8_t*>(vals.data_ptr()), static_cast<uint8_t*>(scales.data_ptr()), mat_rows, blocked,
       at::cuda::getCurrentCUDAStream());
-  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
   return {vals, scales};
 }
 
@@ -351,13 +316,13 @@ at::Tensor dequantize_mxfp8(const at::Tensor& vals, const at::Tensor& scales) {
   const char* op = "dequantize_mxfp8";
   check_cuda_contig(vals, op, "vals");
   check_dtype(vals, at::kFloat8_e4m3fn, op, "vals");
-  FM_CHECK(vals.dim() >= 1, op, ": vals must have at least 1 dimension, got shape ", vals.sizes());
+  PK_CHECK(vals.dim() >= 1, op, ": vals must have at least 1 dimension, got shape ", vals.sizes());
   const int64_t K = vals.size(-1);
-  FM_CHECK(K > 0 && K % flash_moe::kMxfp8ScaleBlock == 0, op,
+  PK_CHECK(K > 0 && K % flash_moe::kMxfp8ScaleBlock == 0, op,
            ": vals.size(-1) must be a positive multiple of 32 (the MXFP8 scale block), got ", K);
   std::vector<int64_t> sshape(vals.sizes().begin(), vals.sizes().end());
   sshape.back() = K / flash_moe::kMxfp8ScaleBlock;
-  FM_CHECK(scales.sizes().vec() == sshape, op, ": scales must have shape vals.shape[:-1] + (K/32,) = ",
+  PK_CHECK(scales.sizes().vec() == sshape, op, ": scales must have shape vals.shape[:-1] + (K/32,) = ",
            at::IntArrayRef(sshape), " (row-major), got ", scales.sizes());
   check_cuda_contig(scales, op, "scales");
   check_same_device(scales, vals, op, "scales");
@@ -369,7 +334,7 @@ at::Tensor dequantize_mxfp8(const at::Tensor& vals, const at::Tensor& scales) {
       flash_moe::dequantize_mxfp8(static_cast<const uint8_t*>(vals.data_ptr()),
                                   static_cast<const uint8_t*>(scales.data_ptr()), vals.numel() / K, K,
                                   out.data_ptr(), at::cuda::getCurrentCUDAStream());
-  FM_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
   return out;
 }
 

@@ -5,17 +5,19 @@ the forward's e4m3 values (as fp32) must equal the pure-PyTorch reference fed th
 the backward's grad_branch must match the fp32 reference within bf16 rounding (atol 1e-2).
 """
 
-import importlib.util
 import pathlib
+import sys
 
 import torch
 
 from kernels.benchmark import Benchmark
 
-_REF_PATH = pathlib.Path(__file__).resolve().parents[1] / "torch-ext" / "rmsnorm" / "reference.py"
-_spec = importlib.util.spec_from_file_location("rmsnorm_reference", _REF_PATH)
-reference = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(reference)
+_HERE = pathlib.Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # the runner loads this file by path
+    sys.path.append(str(_HERE))
+import kernel_package  # noqa: E402
+
+reference = kernel_package.load_reference(_HERE.parent)
 
 
 class _Base(Benchmark):

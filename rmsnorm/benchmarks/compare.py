@@ -1,22 +1,21 @@
-"""Side-by-side benchmark of rmsnorm (DESIGN §9), all measured in ONE run:
+"""Side-by-side benchmark of rmsnorm (docs/DESIGN.md §9), all measured in ONE run:
 
 ceilings (device-to-device copy GB/s counting read + write; 8192^3 bf16 matmul TFLOP/s), our
 forward and backward, torch.compile of the pure-PyTorch reference and Liger's fused add+RMSNorm
 (which does not quantize).  CUDA events, median of 30 after warm-up, inputs rotated over sets
-larger than L2.  Writes <out>/h200.json (DESIGN §9 schema) and <out>/h200.png.
+larger than L2.  Writes <out>/h200.json (docs/DESIGN.md §9 schema) and <out>/h200.png.
 
     PYTHONPATH=torch-ext python3 rmsnorm/benchmarks/compare.py [--out DIR]
         [--shapes 16384x7168,65536x4096] [--ours-only]
 
 --shapes / --ours-only make a quick check of our kernels at some shapes (no torch.compile, no
-Liger); the full run (no flags) is the one RESULTS.md reports.
+Liger); the full run (no flags) is the one rmsnorm/DESIGN.md reports.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import math
@@ -28,51 +27,18 @@ import traceback
 import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # loaded by path rather than run as a script
+    sys.path.append(str(HERE))
+import bench_timing  # noqa: E402
+import kernel_package  # noqa: E402
+
 SHAPES = [(65536, 2048), (65536, 4096), (65536, 8192), (16384, 7168), (8192, 8192)]
 EPS = 1e-6
 
 
-def load_reference():
-    path = HERE.parent / "torch-ext" / "rmsnorm" / "reference.py"
-    spec = importlib.util.spec_from_file_location("rmsnorm_reference", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["rmsnorm_reference"] = mod  # torch.compile (dynamo) looks modules up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def median_ms(fn, nsets, warm=5, reps=30):
-    """Median device time of fn(i) over `reps` calls, rotating over `nsets` input sets.  Each
-    call is preceded by a GPU spin (torch.cuda._sleep) so the host has enqueued the call before
-    the start event fires: the events time the GPU work, not the Python dispatch gap."""
-    for i in range(warm):
-        fn(i % nsets)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)  # ~1 ms at 1.98 GHz
-        a.record()
-        fn((i + warm) % nsets)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def ceilings():
-    n = 1 << 30  # 1 GiB per buffer, two pairs rotated
-    src = [torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda") for _ in range(2)]
-    dst = [torch.empty_like(s) for s in src]
-    ms = median_ms(lambda i: dst[i].copy_(src[i]), 2)
-    copy = 2 * n / ms / 1e6
-    del src, dst
-    m = 8192
-    a = [torch.randn(m, m, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    b = [torch.randn(m, m, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    ms = median_ms(lambda i: a[i] @ b[i], 2, warm=3, reps=20)
-    return copy, 2 * m**3 / ms / 1e9
+    """bench_timing.median_ms of fn(set index), rotating over `nsets` input sets."""
+    return bench_timing.median_ms(lambda i: fn(i % nsets), reps, warmup=warm)
 
 
 def git_commit():
@@ -91,7 +57,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--shapes", default="", help="comma-separated NxC (default: the five of DESIGN §9)")
+    ap.add_argument("--shapes", default="", help="comma-separated NxC (default: the five of docs/DESIGN.md §9)")
     ap.add_argument("--ours-only", action="store_true", help="skip torch.compile and Liger")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
@@ -101,10 +67,10 @@ def main():
     import prime_kernels
 
     k = prime_kernels.load("rmsnorm")
-    ref = load_reference()
+    ref = kernel_package.load_reference(HERE.parent)  # in sys.modules: torch.compile looks modules up by name
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
 
-    copy_gbps, mm_tflops = ceilings()
+    copy_gbps, mm_tflops, _ = bench_timing.ceilings(reps=30)
     print(f"ceilings: copy {copy_gbps:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
 
     # peers
@@ -144,15 +110,14 @@ def main():
         return nsets, B, R, G, W, RR
 
     def nbytes(N, C):
-        sb = ((N + 127) // 128) * 128 * ((C // 32 + 3) // 4) * 4
+        sb = ref.scales_numel(N, C // ref.MXFP8_SCALE_BLOCK)
         fwd = 2 * 2 * N * C + 2 * C + N * C + sb + 4 * N  # branch, residual, weight; vals, scales, rrms
         bwd = 2 * 2 * N * C + 2 * C + 4 * N + 2 * N * C + 2 * C  # grad_y, branch, weight, rrms; grad_branch, grad_weight
         return fwd, bwd
 
-    # Our kernels at every shape first, then the peers: when our forward at 16384x7168 ran right
-    # after the peers' 65536x8192 runs it read 84.6-85.3 % of copy (three runs) against 92-93 %
-    # in the standalone harness and in this script without the peers, an effect of the process's
-    # state left by the peers, not of the kernel (NOTES.md, session 3).
+    # Our kernels at every shape first, then the peers: run after the peers, our forward measured
+    # several % of copy slower than alone, an effect of the process state the peers leave, not of
+    # the kernel (rmsnorm/DESIGN.md).
     for N, C in shapes:
         nsets, B, R, G, W, RR = inputs(N, C)
         fwd_bytes, bwd_bytes = nbytes(N, C)

@@ -1,11 +1,11 @@
 // Fused RMSNorm + residual add + MXFP8 quantization (forward) and its backward.
 //
-// Contract: DESIGN.md §6 (MXFP8 conventions) and §7 (rmsnorm).
+// Contract: docs/DESIGN.md §6 (MXFP8 conventions) and §7 (rmsnorm).
 //
 //   rrms[n]   = 1 / sqrt(mean_c(branch[n,c]^2) + eps)                      (fp32)
 //   y[n,c]    = ((branch[n,c] * rrms[n]) * weight[c]) + residual[n,c]      (fp32, each op RN,
 //                                                                           no FMA contraction)
-//   scale byte per 32-element block (RCEIL), blocked layout (see scale_offset below),
+//   scale byte per 32-element block (RCEIL), blocked layout (mxfp8_rules.cuh),
 //   vals[n,c] = e4m3_satfinite_rne(y[n,c] * 2^(127 - byte)).
 //
 // Backward (quantization passed straight through, i.e. d vals / d y := identity):
@@ -27,22 +27,23 @@ namespace rmsnorm {
 constexpr int64_t kMaxC = 32768;
 constexpr int kScaleBlock = 32;
 
-// Shape of one launch: each row is handled by `tpr` threads (a multiple of 32, <= 1024), each
-// thread owning `vpt` 16-byte chunks (8 bf16) of the row; `rpb` rows share one CTA.
+// Shape of one launch: each row is handled by `tpr` (threads per row) threads, a multiple of 32,
+// <= 1024, each thread owning `vpt` (vectors per thread) 16-byte chunks (8 bf16) of the row;
+// `rpb` (rows per block) rows share one CTA.
 // Largest CTA each variant is compiled for (__launch_bounds__): the register budget of the
 // 4- and 8-chunk variants needs more than 64 registers per thread.
 constexpr int fwd_max_threads(int vpt) { return vpt >= 4 ? 512 : 1024; }
 constexpr int bwd_max_threads(int vpt, bool smem_acc) { return smem_acc ? 1024 : (vpt >= 4 ? 512 : 1024); }
 
 struct LaunchConfig {
-  int vpt = 0;  // 1, 2, 4 or 8
+  int vpt = 0;  // vectors per thread: 16-byte chunks of a row each thread owns, 1, 2, 4 or 8
   int tpr = 0;  // threads per row (multiple of 32)
-  int rpb = 0;  // rows per CTA
+  int rpb = 0;  // rows per block: rows sharing one CTA
   bool smem_acc = false;  // backward only: grad_weight partials in shared memory
 };
 
-// The configuration the dispatch rule picks for a hidden size C (derived from the H200
-// measurements in RESULTS.md).  `block_threads_target` <= 0 means "use the rule".
+// The configuration the dispatch rule picks for a hidden size C (the H200 measurements behind
+// it: rmsnorm/DESIGN.md).  `block_threads_target` <= 0 means "use the rule".
 LaunchConfig forward_config(int64_t C, int vpt = 0, int block_threads_target = 0);
 LaunchConfig backward_config(int64_t C, int vpt = 0, int block_threads_target = 0);
 // Whether fused_rmsnorm_residual_backward accepts `cfg` for hidden size C (harness enumerations).
@@ -53,12 +54,6 @@ bool backward_config_valid(const LaunchConfig& cfg, int64_t C);
 inline int64_t scales_bytes(int64_t N, int64_t C) {
   const int64_t S = C / kScaleBlock;
   return ((N + 127) / 128) * 128 * ((S + 3) / 4) * 4;
-}
-
-// Byte offset of scale (r, s) in the blocked layout (DESIGN §6).
-__host__ __device__ inline int64_t scale_offset(int64_t r, int64_t s, int64_t S) {
-  const int64_t s4 = (S + 3) / 4;
-  return ((r / 128) * s4 + s / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + s % 4;
 }
 
 // Forward.  branch, residual: (N, C) bf16 row-major contiguous; weight: (C,) bf16.

@@ -21,6 +21,7 @@ using detail::ld_stream;
 using detail::pack_bf2;
 using detail::unpack8;
 
+// VPT: LaunchConfig::vpt (16-byte chunks of a row per thread).
 // SACC = false: weight and the grad_weight partial live in registers (C <= 16384).
 // SACC = true : the partial lives in shared memory and the weight is re-read (L1) every row,
 //               so a 1024-thread CTA fits a 32768-wide row without spilling.
@@ -31,10 +32,10 @@ __global__ void __launch_bounds__(bwd_max_threads(VPT, SACC))
                        uint16_t* __restrict__ grad_branch, float* __restrict__ partials, int64_t N,
                        int C) {
   extern __shared__ float4 smem4[];
-  const int tpr = blockDim.x;
+  const int tpr = blockDim.x;  // threads per row
   const int t = threadIdx.x;
   const int lane = t & 31;
-  const int rpb = blockDim.y;
+  const int rpb = blockDim.y;  // rows per CTA
   const int nw = tpr >> 5;
   const int C8 = C >> 3;
   const float invC = 1.0f / static_cast<float>(C);
@@ -250,9 +251,9 @@ LaunchConfig backward_config(int64_t C, int vpt, int block_threads_target) {
   const int64_t C8 = C / 8;
   bool rule = false;
   if (vpt <= 0) {
-    // Dispatch rule (H200 measurements, RESULTS.md): one row per CTA (the persistent loop's
-    // per-row barrier stalls every row slot of a CTA together), 4 chunks per thread, fewer
-    // chunks per thread while that leaves fewer than 128 threads per row.
+    // Dispatch rule (the H200 measurements behind it: rmsnorm/DESIGN.md): one row per CTA (the
+    // persistent loop's per-row barrier stalls every row slot of a CTA together), 4 chunks per
+    // thread, fewer chunks per thread while that leaves fewer than 128 threads per row.
     vpt = 4;
     while (vpt > 1 && (C8 + vpt - 1) / vpt < 128) vpt /= 2;
     rule = block_threads_target <= 0;
@@ -266,9 +267,8 @@ LaunchConfig backward_config(int64_t C, int vpt, int block_threads_target) {
     vpt = 4;
     cfg.smem_acc = true;
   }
-  // Two rows per CTA where a row is exactly 128 threads of 4 chunks (C = 4096): measured
-  // 0.4413 vs 0.4484 ms at 65536 x 4096 (bench.cu, H200, 2026-11-29); one row elsewhere (r2
-  // lost 3-10 % at the other shapes).
+  // Two rows per CTA where a row is exactly 128 threads of 4 chunks (C = 4096), one row
+  // elsewhere: two rows measured faster at C = 4096 only (rmsnorm/DESIGN.md).
   if (rule && vpt == 4 && (C8 + 3) / 4 == 128) block_threads_target = 256;
   cfg.vpt = vpt;
   int64_t tpr = (C8 + vpt - 1) / vpt;

@@ -8,8 +8,7 @@
 // writes one 32-bit word of scales.  Rows in [N, roundup(N,128)) only write zero scale words
 // (the layout's row padding); the column padding (S -> multiple of 4) is the zero bytes of the
 // last word of a row.
-#include <cuda_fp8.h>
-
+#include "mxfp8_rules.cuh"
 #include "rmsnorm.cuh"
 
 namespace rmsnorm {
@@ -18,38 +17,20 @@ namespace {
 using detail::ld_keep;
 using detail::ld_stream;
 using detail::unpack8;
+// The MXFP8 rules flash_moe implements too: one source, common/mxfp8_rules.cuh.
+using mxfp8_rules::e4m3x2_from_floats;
+using mxfp8_rules::quant_multiplier;
+using mxfp8_rules::scale_byte_from_amax_bits;
 
-__device__ __forceinline__ uint32_t scale_byte_from_amax_bits(uint32_t ab) {
-  // ab: bit pattern of amax = max |y| over the block; the unsigned order of |x| bit patterns is
-  // the float order with NaN above +Inf, so one integer max also carries "non-finite".
-  if (ab >= 0x7f800000u) return 255u;
-  const float t = __fmul_rn(__uint_as_float(ab), 1.0f / 448.0f);
-  const uint32_t tb = __float_as_uint(t);
-  uint32_t byte = (tb >> 23) + ((tb & 0x007fffffu) != 0u ? 1u : 0u);
-  return byte > 254u ? 254u : byte;
-}
-
-// 2^(127 - byte) as an exact fp32 (subnormal for byte 254 and 255).
-__device__ __forceinline__ float scale_multiplier(uint32_t byte) {
-  const int e = 254 - static_cast<int>(byte);
-  return e >= 1 ? __uint_as_float(static_cast<uint32_t>(e) << 23)
-                : __uint_as_float(0x00400000u >> (-e));
-}
-
-__device__ __forceinline__ uint32_t fp8x2(float a, float b) {
-  // cvt.rn.satfinite.e4m3x2.f32: a -> low byte, b -> high byte.
-  return static_cast<uint32_t>(
-      __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
-}
-
+// VPT: LaunchConfig::vpt (16-byte chunks of a row per thread).
 template <int VPT>
 __global__ void __launch_bounds__(fwd_max_threads(VPT))
     rmsnorm_fwd_kernel(const uint16_t* __restrict__ branch, const uint16_t* __restrict__ residual,
                        const uint16_t* __restrict__ weight, uint8_t* __restrict__ vals,
                        uint8_t* __restrict__ scales, float* __restrict__ rrms_out, int64_t N,
                        int64_t Npad, int C, float eps) {
-  extern __shared__ float red[];  // [rpb][tpr / 32]
-  const int tpr = blockDim.x;
+  extern __shared__ float red[];  // [rpb][tpr / 32]: rows per CTA x warps per row
+  const int tpr = blockDim.x;  // threads per row
   const int t = threadIdx.x;
   const int lane = t & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -104,6 +85,8 @@ __global__ void __launch_bounds__(fwd_max_threads(VPT))
   if (active && t == 0) rrms_out[row] = rrms;
 
   uint8_t* vrow = vals + row * static_cast<int64_t>(C);
+  // Scale word (row, columns 4j..4j+3) of the blocked layout (mxfp8_rules::blocked_offset, spelled
+  // out: its unsigned form compiles to other instructions here): sbase + j * 512.
   const int64_t sbase = (row >> 7) * S4 * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
@@ -126,12 +109,12 @@ __global__ void __launch_bounds__(fwd_max_threads(VPT))
     ab = max(ab, __shfl_xor_sync(0xffffffffu, ab, 2));
     const uint32_t byte = scale_byte_from_amax_bits(ab);
     if (valid) {
-      const float m = scale_multiplier(byte);
+      const float m = quant_multiplier(byte);
       uint2 q;
-      q.x = fp8x2(__fmul_rn(y[0], m), __fmul_rn(y[1], m)) |
-            (fp8x2(__fmul_rn(y[2], m), __fmul_rn(y[3], m)) << 16);
-      q.y = fp8x2(__fmul_rn(y[4], m), __fmul_rn(y[5], m)) |
-            (fp8x2(__fmul_rn(y[6], m), __fmul_rn(y[7], m)) << 16);
+      q.x = e4m3x2_from_floats(__fmul_rn(y[0], m), __fmul_rn(y[1], m)) |
+            (e4m3x2_from_floats(__fmul_rn(y[2], m), __fmul_rn(y[3], m)) << 16);
+      q.y = e4m3x2_from_floats(__fmul_rn(y[4], m), __fmul_rn(y[5], m)) |
+            (e4m3x2_from_floats(__fmul_rn(y[6], m), __fmul_rn(y[7], m)) << 16);
       __stcs(reinterpret_cast<uint2*>(vrow + static_cast<int64_t>(c) * 8), q);
     }
     // Gather the 4 block bytes of a 16-lane group into one word (invalid lanes contribute 0).
@@ -163,8 +146,9 @@ LaunchConfig forward_config(int64_t C, int vpt, int block_threads_target) {
   const int64_t C8 = C / 8;
   bool rule = false;
   if (vpt <= 0) {
-    // Dispatch rule (H200 measurements, RESULTS.md): 4 chunks (64 B of each input) per thread;
-    // rows per CTA = 512 / threads-per-row when that is a power of two, else 1 row per CTA.
+    // Dispatch rule (the H200 measurements behind it: rmsnorm/DESIGN.md): 4 chunks (64 B of each
+    // input) per thread; rows per CTA = 512 / threads-per-row when that is a power of two, else 1
+    // row per CTA.
     vpt = 4;
     rule = block_threads_target <= 0;
   }

@@ -1,28 +1,26 @@
-"""Fixtures for the rmsnorm tests: the pure-PyTorch reference (CPU) and the built kernel (GPU)."""
+# generated from common/conftest.py: edit there and run scripts/sync_common.py
+"""Fixtures of a member's tests: the pure-PyTorch reference (CPU) and the built kernel (GPU).
 
-import importlib.util
+The member is the folder above this one, and its kernel is named after it. The `gpu` marker is
+declared once, in the workspace's pyproject.toml, which these tests always run under.
+"""
+
 import pathlib
 import sys
 
 import pytest
 
 MEMBER_DIR = pathlib.Path(__file__).resolve().parents[1]
-KERNEL = "rmsnorm"
+KERNEL = MEMBER_DIR.name
 
-
-def _module_from_file(name: str, path: pathlib.Path):
-    # The reference is a plain file of the package, loaded without the package's
-    # __init__ (which imports the native extension).
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+# kernel_package.py beside this file (the tests import it too; both members' copies are the same file)
+sys.path.append(str(pathlib.Path(__file__).resolve().parent))
+import kernel_package  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def reference():
-    return _module_from_file(f"{KERNEL}_reference", MEMBER_DIR / "torch-ext" / KERNEL / "reference.py")
+    return kernel_package.load_reference(MEMBER_DIR)
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,9 @@
 """rmsnorm's `layers.py`: a layer `kernels.kernelize` accepts (stateless, no constructor, the
 forward signature of the module it replaces), and on the GPU a kernelized model runs the op."""
 
-import importlib.util
 import pathlib
-import sys
-import types
 
+import kernel_package
 import pytest
 import torch
 from torch import nn
@@ -35,15 +33,8 @@ def _user_module_class(reference):
 
 def _layers_without_native_code():
     """layers.py loaded under a stand-in parent package (its native ops need a GPU build)."""
-    parent = types.ModuleType("rmsnorm_layers_parent")
-    parent.__path__ = [str(MEMBER_DIR / "torch-ext" / "rmsnorm")]
-    parent.fused_rmsnorm_residual_with_grad_port = lambda *a: a
-    sys.modules[parent.__name__] = parent
-    spec = importlib.util.spec_from_file_location(f"{parent.__name__}.layers",
-                                                  MEMBER_DIR / "torch-ext" / "rmsnorm" / "layers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return kernel_package.load_submodule("rmsnorm_layers_parent", MEMBER_DIR / "torch-ext" / "rmsnorm", "layers",
+                                         fused_rmsnorm_residual_with_grad_port=lambda *a: a)
 
 
 def test_layer_passes_kernelize_validation(reference):

@@ -16,7 +16,7 @@ def f32(x: float) -> float:
 
 
 def scale_byte_fp64(amax: float) -> int:
-    """Independent restatement of DESIGN §6's RCEIL rule in Python floats."""
+    """Independent restatement of docs/DESIGN.md §6's RCEIL rule in Python floats."""
     if math.isnan(amax) or math.isinf(amax):
         return 255
     if amax == 0.0:

@@ -8,45 +8,31 @@
 
 #include "registration.h"
 #include "torch_binding.h"
+#include "torch_check.h"
 #include "rmsnorm_cuda/rmsnorm.cuh"
 
 namespace {
 
-// Messages are assembled from std::string pieces only: on the H200 image, streaming an integer
-// through c10::str / TORCH_CHECK from this extension segfaulted (strings and ScalarType were
-// fine), so numbers go through std::to_string and devices through Device::str().
-std::string num(int64_t v) { return std::to_string(v); }
-
-// "[4, 256]" without streaming an IntArrayRef.
-std::string dims(c10::IntArrayRef d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(d[i]);
-  }
-  return s + "]";
-}
-
 void check_cuda_bf16(const char* op, const char* name, const torch::Tensor& t, int64_t rank) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device().str());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, " must be bfloat16, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == rank, op, ": ", name, " must have rank ", num(rank), ", got rank ", num(t.dim()),
-              " (shape ", dims(t.sizes()), ")");
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", dims(t.strides()));
+  PK_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  PK_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, " must be bfloat16, got ",
+           t.scalar_type());
+  PK_CHECK(t.dim() == rank, op, ": ", name, " must have rank ", rank, ", got rank ", t.dim(),
+           " (shape ", t.sizes(), ")");
+  PK_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
 }
 
 void check_hidden(const char* op, const char* name, int64_t C) {
-  TORCH_CHECK(C >= 32 && C % 32 == 0, op, ": ", name,
-              " must have a last dimension C that is a positive multiple of 32, got C=", num(C));
-  TORCH_CHECK(C <= rmsnorm::kMaxC, op, ": ", name, " must have C <= ", num(rmsnorm::kMaxC),
-              ", got C=", num(C));
+  PK_CHECK(C >= 32 && C % 32 == 0, op, ": ", name,
+           " must have a last dimension C that is a positive multiple of 32, got C=", C);
+  PK_CHECK(C <= rmsnorm::kMaxC, op, ": ", name, " must have C <= ", rmsnorm::kMaxC,
+           ", got C=", C);
 }
 
 void check_same_device(const char* op, const char* name, const torch::Tensor& t,
                        const torch::Tensor& ref, const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ",
-              ref_name, " (", ref.device().str(), "), got ", t.device().str());
+  PK_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ",
+           ref_name, " (", ref.device(), "), got ", t.device());
 }
 
 // The checks the three ops share: `x` (residual or grad_y, named x_name) and branch are (N, C)
@@ -62,10 +48,10 @@ int64_t check_norm_inputs(const char* op, const torch::Tensor& branch, const cha
   check_cuda_bf16(op, "weight", weight, 1);
   const int64_t C = branch.size(1);
   check_hidden(op, "branch", C);
-  TORCH_CHECK(x.sizes() == branch.sizes(), op, ": ", x_name, " must have the shape of branch ",
-              dims(branch.sizes()), ", got ", dims(x.sizes()));
-  TORCH_CHECK(weight.size(0) == C, op, ": weight must have C=", num(C), " elements, got ",
-              num(weight.size(0)));
+  PK_CHECK(x.sizes() == branch.sizes(), op, ": ", x_name, " must have the shape of branch ",
+           branch.sizes(), ", got ", x.sizes());
+  PK_CHECK(weight.size(0) == C, op, ": weight must have C=", C, " elements, got ",
+           weight.size(0));
   check_same_device(op, x_name, x, branch, "branch");
   check_same_device(op, "weight", weight, branch, "branch");
   return C;
@@ -79,8 +65,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fused_rmsnorm_residual(
   constexpr const char* op = "fused_rmsnorm_residual";
   const int64_t C = check_norm_inputs(op, branch, "residual", residual, weight, false);
   const int64_t N = branch.size(0);
-  TORCH_CHECK(std::isfinite(epsilon) && epsilon >= 0.0, op,
-              ": epsilon must be finite and >= 0, got ", std::to_string(epsilon));
+  PK_CHECK(std::isfinite(epsilon) && epsilon >= 0.0, op,
+           ": epsilon must be finite and >= 0, got ", std::to_string(epsilon));
 
   const c10::cuda::CUDAGuard guard(branch.device());
   auto opts = branch.options();
@@ -94,7 +80,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fused_rmsnorm_residual(
       reinterpret_cast<uint8_t*>(vals.data_ptr()), reinterpret_cast<uint8_t*>(scales.data_ptr()),
       rrms.data_ptr<float>(), N, C, static_cast<float>(epsilon),
       at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  PK_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return {vals, scales, rrms};
 }
 
@@ -104,12 +90,12 @@ std::tuple<torch::Tensor, torch::Tensor> fused_rmsnorm_residual_backward(
   constexpr const char* op = "fused_rmsnorm_residual_backward";
   const int64_t C = check_norm_inputs(op, branch, "grad_y", grad_y, weight, true);
   const int64_t N = branch.size(0);
-  TORCH_CHECK(rrms.is_cuda(), op, ": rrms must be a CUDA tensor, got device ", rrms.device().str());
-  TORCH_CHECK(rrms.scalar_type() == at::kFloat, op, ": rrms must be float32, got ",
-              rrms.scalar_type());
-  TORCH_CHECK(rrms.dim() == 1 && rrms.size(0) == N, op, ": rrms must have shape (N,) = (", num(N),
-              ",), got ", dims(rrms.sizes()));
-  TORCH_CHECK(rrms.is_contiguous(), op, ": rrms must be contiguous, got strides ", dims(rrms.strides()));
+  PK_CHECK(rrms.is_cuda(), op, ": rrms must be a CUDA tensor, got device ", rrms.device());
+  PK_CHECK(rrms.scalar_type() == at::kFloat, op, ": rrms must be float32, got ",
+           rrms.scalar_type());
+  PK_CHECK(rrms.dim() == 1 && rrms.size(0) == N, op, ": rrms must have shape (N,) = (", N,
+           ",), got ", rrms.sizes());
+  PK_CHECK(rrms.is_contiguous(), op, ": rrms must be contiguous, got strides ", rrms.strides());
   check_same_device(op, "rrms", rrms, branch, "branch");
 
   const c10::cuda::CUDAGuard guard(branch.device());
@@ -123,7 +109,7 @@ std::tuple<torch::Tensor, torch::Tensor> fused_rmsnorm_residual_backward(
       grad_y.data_ptr(), branch.data_ptr(), weight.data_ptr(), rrms.data_ptr<float>(),
       grad_branch.data_ptr(), grad_weight.data_ptr(), workspace.data_ptr<float>(), N, C, device,
       at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  PK_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return {grad_branch, grad_weight};
 }
 
@@ -136,9 +122,9 @@ torch::Tensor fused_rmsnorm_residual_grad_port(const torch::Tensor& branch,
   constexpr const char* op = "fused_rmsnorm_residual_grad_port";
   const int64_t C = check_norm_inputs(op, branch, "residual", residual, weight, false);
   const int64_t N = branch.size(0);
-  TORCH_CHECK(rrms.scalar_type() == at::kFloat && rrms.dim() == 1 && rrms.size(0) == N, op,
-              ": rrms must be float32 of shape (", num(N), ",), got ", rrms.scalar_type(), " ",
-              dims(rrms.sizes()));
+  PK_CHECK(rrms.scalar_type() == at::kFloat && rrms.dim() == 1 && rrms.size(0) == N, op,
+           ": rrms must be float32 of shape (", N, ",), got ", rrms.scalar_type(), " ",
+           rrms.sizes());
   return torch::zeros({}, branch.options()).expand({N, C});
 }
 

@@ -4,7 +4,7 @@
 
 #include <tuple>
 
-// DESIGN §7.  branch, residual: (N, C) bf16; weight: (C,) bf16.
+// docs/DESIGN.md §7.  branch, residual: (N, C) bf16; weight: (C,) bf16.
 // Returns (vals (N, C) float8_e4m3fn, scales (roundup(N,128)*roundup(C/32,4),) float8_e8m0fnu in
 // the blocked layout, rrms (N,) float32).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> fused_rmsnorm_residual(

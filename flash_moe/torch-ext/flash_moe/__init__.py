@@ -1,6 +1,6 @@
 """flash_moe: fused MoE forward for routed experts on Hopper (sm_90a).
 
-Public surface (DESIGN §5):
+Public surface (docs/DESIGN.md §5):
 
 - ``moe_align(topk_ids, num_experts, block_m=BLOCK_M, bpc=1)`` -> (sorted_token_ids, expert_ids,
   num_tokens_post_padded), on the GPU, no host synchronisation.
@@ -9,7 +9,7 @@ Public surface (DESIGN §5):
 - ``fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
   num_tokens_post_padded, topk_weights, out, top_k, ...)`` -> out: the same MoE with MXFP8 (e4m3
   + e8m0 per 32 elements) inputs, exact MX semantics.
-- ``quantize_mxfp8(t, blocked=False)`` / ``dequantize_mxfp8(vals, scales)`` on the GPU (DESIGN §6),
+- ``quantize_mxfp8(t, blocked=False)`` / ``dequantize_mxfp8(vals, scales)`` on the GPU (docs/DESIGN.md §6),
   ``pack_scales_blocked(scales)`` ((..., MN, K/32) -> flat, each leading index packed on its own;
   pure PyTorch, runs on the GPU too).
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights)``: align + fused op in one call.
@@ -26,16 +26,15 @@ import torch
 
 from . import reference
 from ._ops import add_op_namespace_prefix, ops
+from .reference import BLOCK_M, MXFP8_SCALE_BLOCK
 
-BLOCK_M = 128
+# The binding's TORCH_CHECKs are the contract; these defaults and unsupported_shape_reason restate
+# it, and flash_moe/tests/test_op_contract_gpu.py holds them equal to what the built ops accept.
 BLOCK_N = 128  # h columns per gate/up tile (the only value the kernel implements)
 WARP_N = 128  # n of one wgmma issued by a consumer warpgroup (the only value implemented)
 STAGES = 4  # shared-memory pipeline depth (3 or 4 accepted)
 STAGES_MXFP8 = 6  # shared-memory stages of the MXFP8 kernel (the only value implemented)
 MXFP8_K_BLOCK = 64  # fused_moe_mxfp8 needs dim and hidden_dim to be multiples of this
-MXFP8_SCALE_BLOCK = 32
-MAX_EXPERTS = 512
-MAX_TOP_K = 16
 
 pack_scales_blocked = reference.pack_scales_blocked
 
@@ -59,7 +58,9 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
     """Why the fused op cannot serve a (dim, hidden_dim) expert shape, or None when it can.
 
     dim is the model dimension K (x is (M, K)), hidden_dim the expert hidden size I
-    (w is (E, 2I, K), w2 is (E, K, I)). Both split settings are served.
+    (w is (E, 2I, K), w2 is (E, K, I)). Both split settings are served. The rules restate the
+    binding's checks of K and I: None exactly when the op accepts the shape
+    (flash_moe/tests/test_op_contract_gpu.py).
     """
     if dim <= 0 or hidden_dim <= 0:
         return f"dim and hidden_dim must be positive, got dim={dim}, hidden_dim={hidden_dim}"
@@ -77,14 +78,11 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
 def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
                   mxfp8: bool = False) -> int:
     """The `bpc` of `fused_moe_bf16` / `fused_moe_mxfp8` that measured fastest on the H200 for a
-    shape (flash_moe/NOTES.md): 2 (CTA pairs sharing weight loads, splitting each expert's rows
-    evenly and carrying its short tail) for the bf16 op when the experts average at least two
-    BLOCK_M-slot blocks; else 1. The output bits do not depend on `bpc`, only the time does.
-
-    Measured on the H200 (op alone, one run, session 10), bpc=2 against bpc=1, bf16: -17 to
-    -20 % at (8192, 7168, 2048, 256, 8); -5 to -7 % at (8192, 4096, 1536, 128, 8); -1.5 % at
-    (8192, 2048, 768, 64, 8); +3.5 % at (1024, 2048, 768, 128, 8), one block per expert.
-    MXFP8 (v6, seven runs): -6 to +9 % at shapes 3-4 and +1 to +6 % elsewhere, so never.
+    shape: 2 (CTA pairs sharing weight loads, splitting each expert's rows evenly and carrying
+    its short tail) for the bf16 op when the experts average at least two BLOCK_M-slot blocks;
+    else 1. The output bits do not depend on `bpc`, only the time does. The measurements behind
+    the rule (bf16 faster with pairs once experts hold two blocks, slower with one; MXFP8 never
+    faster) are flash_moe/DESIGN.md §5.
     """
     if mxfp8 or num_tokens * top_k < 2 * BLOCK_M * num_experts:
         return 1
@@ -160,6 +158,9 @@ def fused_moe_bf16(
         top_k: routing fan-out, 1..16.
         block_m, block_n, warp_n, stages, bpc, cpc: tuning; accepted values are exactly
             block_m=128, block_n=128, warp_n=128, stages in {3, 4}, bpc in {None, 1, 2}, cpc=1.
+            cpc is a cluster-shape argument reserved beside bpc in the op's signature
+            (docs/DESIGN.md §5); only 1 is implemented, and it stays so that callers written
+            against that signature keep working.
             bpc=None (the default) takes `preferred_bpc` of the call's shape, the value
             measured fastest; the output bits do not depend on bpc, only the time does.
             bpc=2 runs both GEMMs as clusters of two CTAs: two m-blocks of one expert share
@@ -249,7 +250,7 @@ def fused_moe_mxfp8(
 
 
 def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
-    """MXFP8-quantize `t` along its last dim (DESIGN §6): returns (vals, scales).
+    """MXFP8-quantize `t` along its last dim (docs/DESIGN.md §6): returns (vals, scales).
 
     t: bf16 or fp32, last dim K a multiple of 32, contiguous. vals: float8_e4m3fn, t's shape.
     scales: float8_e8m0fnu, shape t.shape[:-1] + (K/32,) row-major, or with blocked=True
@@ -288,10 +289,10 @@ def moe(x, w1, w2, w3, topk_ids, topk_weights, out=None, split=True):
     E = w1.shape[0]
     top_k = topk_ids.shape[1]
     w = torch.cat([w1, w3], dim=1).contiguous()
-    sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), E)
+    sorted_ids, expert_ids, num_tokens_post_padded = moe_align(topk_ids.to(torch.int32).contiguous(), E)
     if out is None:
         out = torch.empty_like(x)
-    return fused_moe_bf16(x, w, w2.contiguous(), sorted_ids, expert_ids, ntpp,
+    return fused_moe_bf16(x, w, w2.contiguous(), sorted_ids, expert_ids, num_tokens_post_padded,
                           topk_weights.to(torch.float32).contiguous(), out, top_k, split=split)
 
 
@@ -299,8 +300,7 @@ def moe(x, w1, w2, w3, topk_ids, topk_weights, out=None, split=True):
 
 @torch.library.register_fake(add_op_namespace_prefix("moe_align"))
 def _moe_align_fake(topk_ids, num_experts, block_m, bpc):
-    n = topk_ids.numel()
-    L = (n + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
+    L = reference.aligned_length(topk_ids.numel(), num_experts, block_m)
     return (
         topk_ids.new_empty((L,)),
         topk_ids.new_empty((L // block_m,)),
@@ -339,3 +339,4 @@ def _quantize_mxfp8_fake(t, blocked):
 @torch.library.register_fake(add_op_namespace_prefix("dequantize_mxfp8"))
 def _dequantize_mxfp8_fake(vals, scales):
     return vals.new_empty(vals.shape, dtype=torch.bfloat16)
+

@@ -1,7 +1,9 @@
 """Pure-PyTorch references of every flash_moe op (CPU-capable, no native code).
 
-This file is loaded by file path in the tests (it must not import the package or `._ops`).
-The references define the semantics the CUDA kernels are held to:
+It imports nothing of the package but its sibling `mxfp8_rules` (the MXFP8 rules rmsnorm's
+reference shares), so tests and benchmarks load it without the package's __init__ and native
+code (kernel_package.load_reference). The references define the semantics the CUDA kernels are
+held to:
 
 - `moe_align`: flat slot ids `t*top_k + k` grouped by expert, ascending slot id inside an
   expert (stable), each expert's run padded to a multiple of `block_m` with the sentinel
@@ -14,9 +16,9 @@ The references define the semantics the CUDA kernels are held to:
   the exactly dequantized MXFP8 inputs `q * 2^(byte-127)` (fp32); h is rounded to bf16, not
   requantized. A scale byte of 255 (e8m0 NaN) makes its whole block NaN.
 - `moe_fp32`: the exact definition in fp32 (truth for accuracy tests).
-- `quantize_mxfp8`, `pack_scales_blocked`: DESIGN §6 (RCEIL scales, e4m3 satfinite RNE,
-  blocked 128x4 scale layout); `dequantize_mxfp8` and `unpack_scales_blocked` invert them
-  (row-major scales).
+- `quantize_mxfp8`, `pack_scales_blocked`: docs/DESIGN.md §6 (RCEIL scales, e4m3 saturating
+  RNE, blocked 128x4 scale layout; the rules themselves are in `mxfp8_rules`);
+  `dequantize_mxfp8` and `unpack_scales_blocked` invert them (row-major scales).
 """
 
 from __future__ import annotations
@@ -25,12 +27,21 @@ import math
 
 import torch
 
-BLOCK_M = 128
-MXFP8_SCALE_BLOCK = 32
+from .mxfp8_rules import (  # noqa: F401  (blocked_offset: part of this module's surface)
+    MXFP8_SCALE_BLOCK,
+    blocked_offset,
+    blocked_padded_shape,
+    e4m3_saturating,
+    rceil_scale_bytes,
+    scale_multiplier,
+)
+
+BLOCK_M = 128  # the binding's only block_m (kBlockM); flash_moe/tests/test_op_contract_gpu.py checks it
 
 
 def aligned_length(n_slots: int, num_experts: int, block_m: int = BLOCK_M) -> int:
-    """Length of moe_align's sorted_token_ids buffer for n_slots = M*top_k flat slots."""
+    """Length of moe_align's sorted_token_ids buffer for n_slots = M*top_k flat slots (the one
+    Python statement of it: the package's fake kernel calls this; the binding has its own C++ one)."""
     return (n_slots + num_experts * (block_m - 1) + block_m - 1) // block_m * block_m
 
 
@@ -98,13 +109,13 @@ def _fused_moe_blocks(xf, expert_weights, num_experts, sorted_token_ids, expert_
     M, K = xf.shape
     E = num_experts
     n_slots = M * top_k
-    ntpp = int(num_tokens_post_padded.reshape(-1)[0])
-    ntpp = max(0, min(ntpp, sorted_token_ids.numel()))
-    sid = sorted_token_ids[:ntpp].to(torch.int64).cpu()
+    used_len = int(num_tokens_post_padded.reshape(-1)[0])  # the padded length moe_align filled
+    used_len = max(0, min(used_len, sorted_token_ids.numel()))
+    sid = sorted_token_ids[:used_len].to(torch.int64).cpu()
     eid = expert_ids.to(torch.int64).cpu()
     acc = torch.zeros(n_slots, K, dtype=torch.float32, device=xf.device)
     wts = topk_weights.reshape(-1).float()
-    for b in range(min(ntpp // block_m, eid.numel())):
+    for b in range(min(used_len // block_m, eid.numel())):
         e = int(eid[b])
         if e < 0 or e >= E:
             continue
@@ -202,20 +213,7 @@ def grouped_mm_path(x, w, w2, topk_ids, topk_weights):
     return out
 
 
-# ---------------------------------------------------------------- MXFP8 (DESIGN §6)
-
-def _e8m0_rceil(amax: torch.Tensor) -> torch.Tensor:
-    """Scale byte per block: biased exponent of amax*fp32(1/448), +1 if any mantissa bit, clamp [0,254]."""
-    amax = amax.float()
-    t = amax * torch.tensor(1.0 / 448.0, dtype=torch.float32)
-    bits = t.view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    mant = bits & 0x7FFFFF
-    byte = exp + (mant != 0).to(torch.int32)
-    byte = byte.clamp(0, 254)
-    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
-    byte = torch.where(torch.isfinite(amax), byte, torch.full_like(byte, 255))
-    return byte.to(torch.uint8)
+# ---------------------------------------------------------------- MXFP8 (docs/DESIGN.md §6)
 
 
 def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
@@ -231,29 +229,16 @@ def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
         raise ValueError(f"quantize_mxfp8: last dim must be a multiple of 32, got {K}")
     y = t.float().reshape(-1, K // MXFP8_SCALE_BLOCK, MXFP8_SCALE_BLOCK)
     amax = y.abs().amax(-1)
-    byte = _e8m0_rceil(amax)
-    # y * 2^(127 - byte), literally as DESIGN §6 writes it: an exact power of two, a subnormal for
-    # bytes 254 and 255 (so a non-finite block keeps its NaNs, saturates its Infs and flushes the
-    # rest; a consumer reading byte 255 as the e8m0 NaN makes the whole block NaN anyway).
-    e = 127 - byte.to(torch.int32)
-    scale = torch.ldexp(torch.ones_like(amax), e.float())
-    q = (y * scale[..., None]).clamp(-448.0, 448.0)
-    q = torch.where(torch.isnan(y * scale[..., None]), y * scale[..., None], q)
-    vals = q.to(torch.float8_e4m3fn).reshape(t.shape)
+    byte = rceil_scale_bytes(amax)
+    # y * 2^(127 - byte), literally as docs/DESIGN.md §6 writes it: an exact power of two, a
+    # subnormal for bytes 254 and 255 (so a non-finite block keeps its NaNs, saturates its Infs and
+    # flushes the rest; a consumer reading byte 255 as the e8m0 NaN makes the whole block NaN
+    # anyway). A NaN keeps its sign bit (0x7f or 0xff): e4m3_saturating, not e4m3_satfinite.
+    vals = e4m3_saturating(y * scale_multiplier(byte)[..., None]).reshape(t.shape)
     scales = byte.reshape(*t.shape[:-1], K // MXFP8_SCALE_BLOCK)
     if blocked:
         scales = pack_scales_blocked(scales if scales.dim() >= 2 else scales[None])
     return vals, scales.view(torch.float8_e8m0fnu)
-
-
-def blocked_offset(r: int, s: int, S: int) -> int:
-    """Byte offset of scale (r, s) in the blocked layout of an (R, S) scale matrix."""
-    return ((r // 128) * ((S + 3) // 4) + s // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + s % 4
-
-
-def blocked_padded_shape(R: int, S: int) -> tuple[int, int]:
-    """The (R, S) scale matrix padded as the blocked layout stores it: R to 128 rows, S to 4."""
-    return (R + 127) // 128 * 128, (S + 3) // 4 * 4
 
 
 def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:

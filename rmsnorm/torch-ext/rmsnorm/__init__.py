@@ -1,4 +1,4 @@
-"""rmsnorm: fused RMSNorm + residual add + MXFP8 quantization (DESIGN §6, §7), and its backward.
+"""rmsnorm: fused RMSNorm + residual add + MXFP8 quantization (docs/DESIGN.md §6, §7), and its backward.
 
 Forward (one pass over the inputs)::
 
@@ -48,6 +48,7 @@ import torch
 
 from . import reference
 from ._ops import add_op_namespace_prefix, ops
+from .reference import MXFP8_SCALE_BLOCK
 
 __all__ = [
     "MXFP8_SCALE_BLOCK",
@@ -60,19 +61,12 @@ __all__ = [
     "reference",
 ]
 
-MXFP8_SCALE_BLOCK = 32
-MAX_HIDDEN = 32768
-_FLOAT8 = {
-    getattr(torch, n)
-    for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
-    if hasattr(torch, n)
-}
+MAX_HIDDEN = 32768  # the binding's kMaxC
 
 
 def scales_numel(N: int, C: int) -> int:
     """Bytes of the blocked scale buffer for an (N, C) input."""
-    S = C // MXFP8_SCALE_BLOCK
-    return ((N + 127) // 128) * 128 * ((S + 3) // 4) * 4
+    return reference.scales_numel(N, C // MXFP8_SCALE_BLOCK)
 
 
 def _check_2d_bf16(op: str, name: str, t: torch.Tensor) -> None:

@@ -1,6 +1,8 @@
 """Pure-PyTorch reference of the rmsnorm ops (CPU-capable; no native code).
 
-DESIGN §6/§7.  This file is loaded by path in the tests, so it imports nothing of the package.
+docs/DESIGN.md §6/§7.  It imports nothing of the package but its sibling `mxfp8_rules` (the MXFP8
+rules flash_moe's reference shares), so tests and benchmarks load it without the package's
+__init__ and native code (kernel_package.load_reference).
 
     rrms = 1 / sqrt(mean(branch^2) + eps)                      fp32
     y    = ((branch * rrms) * weight) + residual               fp32, each op rounded (no FMA)
@@ -13,52 +15,15 @@ from __future__ import annotations
 
 import torch
 
-MXFP8_SCALE_BLOCK = 32
-E4M3_MAX = 448.0
-_INV_448 = torch.tensor(1.0 / 448.0, dtype=torch.float32)  # fp32(1/448), round-to-nearest
-
-
-def rceil_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """E8M0 scale bytes (uint8) for fp32 block maxima `amax` (>= 0 or NaN), DESIGN §6:
-    0 for amax == 0; t = amax * fp32(1/448) (fp32, RN); biased exponent of t, +1 if t has any
-    mantissa bit; clamped to [0, 254]; 255 for a non-finite amax."""
-    amax = amax.to(torch.float32)
-    t = amax * _INV_448
-    tb = t.contiguous().view(torch.int32).to(torch.int64)
-    byte = ((tb >> 23) & 0xFF) + ((tb & 0x7FFFFF) != 0).to(torch.int64)
-    byte = byte.clamp(0, 254)
-    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
-    byte = torch.where(torch.isfinite(amax), byte, torch.full_like(byte, 255))
-    return byte.to(torch.uint8)
-
-
-def scale_multiplier(byte: torch.Tensor) -> torch.Tensor:
-    """2^(127 - byte) as an exact fp32 (a subnormal for bytes 254 and 255)."""
-    e = 254 - byte.to(torch.int64)
-    normal = e << 23
-    sub = torch.full_like(e, 0x00400000) >> (-e).clamp(min=0)
-    bits = torch.where(e >= 1, normal, sub).to(torch.int32)
-    return bits.view(torch.float32)
-
-
-def e4m3_satfinite(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> float8_e4m3fn, round-to-nearest-even, saturating to +-448 (Inf too); NaN -> 0x7f."""
-    x = x.to(torch.float32)
-    q = x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    q = torch.where(torch.isnan(x), torch.full_like(q, 0x7F), q)
-    return q.view(torch.float8_e4m3fn)
-
-
-def blocked_offsets(R: int, S: int) -> torch.Tensor:
-    """int64 (R, S): byte offset of scale (r, s) in the blocked layout (DESIGN §6)."""
-    r = torch.arange(R, dtype=torch.int64)[:, None]
-    s = torch.arange(S, dtype=torch.int64)[None, :]
-    s4 = (S + 3) // 4
-    return ((r // 128) * s4 + s // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + s % 4
-
-
-def scales_numel(R: int, S: int) -> int:
-    return ((R + 127) // 128) * 128 * ((S + 3) // 4) * 4
+from .mxfp8_rules import (  # noqa: F401  (the rules are part of this module's surface)
+    MXFP8_SCALE_BLOCK,
+    blocked_offsets,
+    blocked_padded_shape,
+    e4m3_satfinite,
+    rceil_scale_bytes,
+    scale_multiplier,
+    scales_numel,
+)
 
 
 def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
@@ -66,7 +31,7 @@ def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
     (pad to (128*ceil(R/128), 4*ceil(S/4)), view (R/128, 4, 32, S/4, 4), order (0, 3, 2, 1, 4):
     the same bytes as `blocked_offsets`, written with reshapes so torch.compile handles it.)"""
     R, S = scales.shape
-    Rp, Sp = (R + 127) // 128 * 128, (S + 3) // 4 * 4
+    Rp, Sp = blocked_padded_shape(R, S)
     padded = torch.nn.functional.pad(scales.to(torch.uint8), (0, Sp - S, 0, Rp - R))
     blocks = padded.reshape(Rp // 128, 4, 32, Sp // 4, 4).permute(0, 3, 2, 1, 4)
     return blocks.reshape(-1)
