@@ -1,4 +1,4 @@
-"""flash_moe: fused MoE forward for routed experts on Hopper (sm_90a).
+"""flash_moe: fused MoE for routed experts on Hopper (sm_90a), forward and a differentiable `moe`.
 
 Public surface (docs/DESIGN.md §5):
 
@@ -12,7 +12,9 @@ Public surface (docs/DESIGN.md §5):
 - ``quantize_mxfp8(t, blocked=False)`` / ``dequantize_mxfp8(vals, scales)`` on the GPU (docs/DESIGN.md §6),
   ``pack_scales_blocked(scales)`` ((..., MN, K/32) -> flat, each leading index packed on its own;
   pure PyTorch, runs on the GPU too).
-- ``moe(x, w1, w2, w3, topk_ids, topk_weights)``: align + fused op in one call.
+- ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8=False)``: align + fused op in one call,
+  differentiable w.r.t. x, w1, w2, w3 and topk_weights (`functional`; docs/DESIGN.md §5.1);
+  ``moe_backward`` its gradients; ``layers.MoEExperts`` the layer for `kernels.kernelize`.
 - ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False)``: the ``bpc``
   (1, or 2 = CTA pairs) measured fastest for a shape; both fused ops use it when ``bpc=None``
   (their default).
@@ -45,11 +47,14 @@ __all__ = [
     "fused_moe_bf16",
     "fused_moe_mxfp8",
     "moe",
+    "moe_backward",
     "preferred_bpc",
     "unsupported_shape_reason",
     "quantize_mxfp8",
     "dequantize_mxfp8",
     "pack_scales_blocked",
+    "functional",
+    "layers",
     "reference",
 ]
 
@@ -275,27 +280,6 @@ def dequantize_mxfp8(vals: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return reference.dequantize_mxfp8(vals, scales, dtype=dtype)
 
 
-def moe(x, w1, w2, w3, topk_ids, topk_weights, out=None, split=True):
-    """One-line routed-expert MoE forward: align, then fused_moe_bf16.
-
-    Args:
-        x: (M, K) bf16. w1: gate (E, I, K) bf16. w2: down (E, K, I) bf16. w3: up (E, I, K) bf16.
-        topk_ids: (M, top_k) integer expert ids (-1 = dropped). topk_weights: (M, top_k) float.
-        out: optional (M, K) bf16 output (split=False adds into it).
-
-    Note: concatenates w1 and w3 into (E, 2I, K) on every call; callers on a hot path should
-    keep the concatenated weight and call `moe_align` + `fused_moe_bf16` directly.
-    """
-    E = w1.shape[0]
-    top_k = topk_ids.shape[1]
-    w = torch.cat([w1, w3], dim=1).contiguous()
-    sorted_ids, expert_ids, num_tokens_post_padded = moe_align(topk_ids.to(torch.int32).contiguous(), E)
-    if out is None:
-        out = torch.empty_like(x)
-    return fused_moe_bf16(x, w, w2.contiguous(), sorted_ids, expert_ids, num_tokens_post_padded,
-                          topk_weights.to(torch.float32).contiguous(), out, top_k, split=split)
-
-
 # ---------------------------------------------------------------- fake kernels (meta / compile)
 
 @torch.library.register_fake(add_op_namespace_prefix("moe_align"))
@@ -340,3 +324,7 @@ def _quantize_mxfp8_fake(t, blocked):
 def _dequantize_mxfp8_fake(vals, scales):
     return vals.new_empty(vals.shape, dtype=torch.bfloat16)
 
+
+# Last: the differentiable `moe` and the layers call the ops above.
+from . import functional, layers  # noqa: E402
+from .functional import moe, moe_backward  # noqa: E402

@@ -1,0 +1,145 @@
+"""The differentiable MoE: `moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8=False)`.
+
+Forward: `moe_align`, then the fused op (`fused_moe_bf16`, or `fused_moe_mxfp8` on the inputs
+quantized per call). Backward (docs/DESIGN.md §5.1): gradients for x, w1, w2, w3 and
+topk_weights, each in its input's dtype, deterministic (no float atomics: every sum has a fixed
+order), no host synchronisation. The MXFP8 forward's backward is the bf16 one on the original
+inputs (straight-through), as prime-rl's layer does.
+
+The backward here is composed from grouped GEMMs (`torch._grouped_mm`) over moe_align's padded
+layout, with the gate/up pre-activations recomputed; the top-k sums are gathers in ascending k,
+not scatters. It is the correct, deterministic baseline that the fused Hopper backward kernels
+replace (flash_moe/DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import fused_moe_bf16, fused_moe_mxfp8, moe_align, quantize_mxfp8
+
+
+def _routing(topk_ids: torch.Tensor, num_experts: int):
+    """moe_align's layout plus what the backward needs: per position the token (0 for padding),
+    a live mask, grouped_mm's group ends, and per slot its position (L, a zero row, if dropped)."""
+    n_slots = topk_ids.numel()
+    top_k = topk_ids.shape[1]
+    sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), num_experts)
+    L = sorted_ids.numel()
+    positions = torch.arange(L, device=sorted_ids.device, dtype=torch.int32)
+    live = (sorted_ids >= 0) & (sorted_ids < n_slots) & (positions < ntpp)
+    slot = torch.where(live, sorted_ids, torch.zeros_like(sorted_ids)).long()
+    token = slot // top_k
+    # Group ends: expert e's run is the blocks whose expert id is e, in expert order.
+    block = expert_ids.long()
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=block.device)
+    counts.scatter_add_(0, torch.where(block >= 0, block, num_experts), torch.ones_like(block, dtype=torch.int32))
+    offs = (torch.cumsum(counts[:num_experts], 0) * (L // block.numel())).to(torch.int32)
+    inv = torch.full((n_slots + 1,), L, dtype=torch.long, device=slot.device)
+    inv.scatter_(0, torch.where(live, slot, n_slots), positions.long())  # padding all lands on the spare entry
+    return sorted_ids, expert_ids, ntpp, live, token, slot, offs, inv[:n_slots]
+
+
+def _by_slot(rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """rows (by sorted position) gathered by slot: rows[inv[s]], a zero row for a dropped slot."""
+    return torch.cat([rows, rows.new_zeros(1, *rows.shape[1:])])[inv]
+
+
+def _gather_sum(rows: torch.Tensor, inv: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out[t] = sum over k ascending of rows[inv[t * top_k + k]], in fp32."""
+    return _by_slot(rows, inv).reshape(-1, top_k, *rows.shape[1:]).float().sum(1)
+
+
+def moe_backward(grad_out, x, w1, w2, w3, topk_ids, topk_weights, needs_input_grad=(True,) * 5):
+    """Gradients of `moe` w.r.t. (x, w1, w2, w3, topk_weights), each in its input's dtype (None
+    where `needs_input_grad` says so). Shapes as `moe`; grad_out (M, K)."""
+    E, I, K = w1.shape
+    top_k = topk_ids.shape[1]
+    _, _, _, live, token, slot, offs, inv = _routing(topk_ids, E)
+    mask = live.unsqueeze(1)
+    bf = torch.bfloat16
+    w = torch.cat([w1.to(bf), w3.to(bf)], dim=1)  # (E, 2I, K)
+    w2b = w2.to(bf)
+    xs = torch.where(mask, x.to(bf)[token], 0)  # (L, K) token rows by position, padding zero
+    gs = torch.where(mask, grad_out.to(bf)[token], 0)
+    weight = torch.where(live, topk_weights.reshape(-1).float()[slot], 0.0).unsqueeze(1)  # (L, 1)
+
+    ab = torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs)  # recomputed pre-activations (L, 2I)
+    a, b = ab[:, :I].float(), ab[:, I:].float()
+    silu_a = F.silu(a)
+    h = (silu_a * b).to(bf)  # as the forward stores it
+    dh_unweighted = torch._grouped_mm(gs, w2b, offs=offs).float()  # d out / d h without the router weight
+
+    grads = [None] * 5
+    if needs_input_grad[4]:
+        score = (h.float() * dh_unweighted).sum(1)  # d out / d weight = <y, g> = <h, g W2>
+        grads[4] = _by_slot(score, inv).reshape_as(topk_weights)
+    dh = dh_unweighted * weight
+    sig = torch.sigmoid(a)
+    da = dh * b * sig * (1 + a * (1 - sig))  # silu'(a) = sig (1 + a (1 - sig))
+    db = dh * silu_a
+    dab = torch.cat([da, db], dim=1).to(bf)  # (L, 2I)
+    if needs_input_grad[0]:
+        grads[0] = _gather_sum(torch._grouped_mm(dab, w, offs=offs), inv, top_k)
+    if needs_input_grad[1] or needs_input_grad[3]:
+        dw = torch._grouped_mm(dab.t(), xs, offs=offs)  # (E, 2I, K), each expert's rows summed by the GEMM
+        grads[1], grads[3] = dw[:, :I], dw[:, I:]
+    if needs_input_grad[2]:
+        grads[2] = torch._grouped_mm((gs.float() * weight).to(bf).t(), h, offs=offs)  # (E, K, I)
+    inputs = (x, w1, w2, w3, topk_weights)
+    return tuple(None if g is None else g.to(t.dtype).contiguous() for g, t in zip(grads, inputs))
+
+
+def _forward(x, w1, w2, w3, topk_ids, topk_weights, mxfp8):
+    E = w1.shape[0]
+    top_k = topk_ids.shape[1]
+    sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), E)
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    weights = topk_weights.to(torch.float32).contiguous()
+    if mxfp8:
+        xq, xs = quantize_mxfp8(x.to(torch.bfloat16).contiguous())
+        wq, ws = quantize_mxfp8(torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous(), blocked=True)
+        w2q, w2s = quantize_mxfp8(w2.to(torch.bfloat16).contiguous(), blocked=True)
+        fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, sorted_ids, expert_ids, ntpp, weights, out, top_k)
+    else:
+        w = torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous()
+        fused_moe_bf16(x.to(torch.bfloat16).contiguous(), w, w2.to(torch.bfloat16).contiguous(), sorted_ids,
+                       expert_ids, ntpp, weights, out, top_k)
+    return out.to(x.dtype)
+
+
+class _MoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, mxfp8):
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, topk_weights)
+        return _forward(x, w1, w2, w3, topk_ids, topk_weights, mxfp8)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, w1, w2, w3, topk_ids, topk_weights = ctx.saved_tensors
+        needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
+        gx, gw1, gw2, gw3, gs = moe_backward(grad_out.contiguous(), x, w1, w2, w3, topk_ids, topk_weights, needs)
+        return gx, gw1, gw2, gw3, None, gs, None
+
+
+def moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8: bool = False):
+    """Routed-expert MoE, differentiable w.r.t. x, w1, w2, w3 and topk_weights.
+
+    out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])), e = topk_ids[t,k].
+
+    Args:
+        x: (M, K) tokens (bf16, or any float dtype: computed in bf16, returned in x's dtype).
+        w1, w3: (E, I, K) gate and up projections; w2: (E, K, I) down projection. Any float dtype
+            (fp32 master weights get fp32 gradients); computed in bf16.
+        topk_ids: (M, top_k) integer expert ids; -1 (or any id outside [0, E)) drops the slot: it
+            contributes nothing and its topk_weights gradient is 0.
+        topk_weights: (M, top_k) router weights (any float dtype).
+        mxfp8: run the forward on MXFP8-quantized x, w and w2 (`fused_moe_mxfp8`); the backward is
+            the bf16 one on the unquantized inputs (straight-through).
+
+    Shapes must satisfy `unsupported_shape_reason(K, I, mxfp8=mxfp8)`. Deterministic: the same
+    inputs give bit-identical outputs and gradients.
+    """
+    return _MoE.apply(x, w1, w2, w3, topk_ids, topk_weights, bool(mxfp8))
