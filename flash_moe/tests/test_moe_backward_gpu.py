@@ -134,7 +134,12 @@ def test_gradients_vs_fp64_and_the_peer(kernel, reference, M, K, I, E, top_k, wd
         peer = prime_rl_backward(g, x, w1, w2, w3, ids, scores, E)
         for name, got, want, p in zip(GRADS, ours, truth, peer):
             err, peer_err = _rel(got, want), _rel(p, want)
-            assert err <= 1.5 * peer_err + 1e-6, (name, err, peer_err)
+            if got.numel() < 256:
+                # A handful of values (M = 1: eight score gradients): both errors are a few bf16
+                # roundings, and their ratio is a coin toss. Held to truth directly instead.
+                assert err < 2e-2, (name, err, peer_err)
+            else:
+                assert err <= 1.5 * peer_err + 1e-6, (name, err, peer_err)
     assert _rel(out, out_t) < 1e-2
 
 
