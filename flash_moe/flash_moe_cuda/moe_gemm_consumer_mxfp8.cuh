@@ -3,6 +3,7 @@
 #pragma once
 
 #include "moe_gemm_consumer.cuh"
+#include "moe_gemm_epilogue_mxfp8.cuh"
 #include "mxfp8.cuh"
 
 namespace flash_moe {
@@ -206,10 +207,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     else
       mainloop(std::false_type{});
 
-    // ---------------------------------------------------------- epilogue (transposed tiles)
-    // Thread holds rows r0 = 16 w4 + l/4 and r0 + 8 (one bf16 pair of output columns) for
-    // tokens 8j + 2(l%4) + {0, 1}, j = 0..15: two output-row pointers (tokens 2(l%4) + e) that
-    // step 8 rows per j, and the tile's per-token factors read from shared memory.
+    // ---------------------------------------------------------- epilogue (moe_gemm_epilogue_mxfp8.cuh)
     const int pc = kperm::pair_column(16 * w4 + (lane >> 2));
     const uint32_t wt_s = wt + 8 * cq;  // + 4e + 32j: token 8j + 2cq + e
     if constexpr (kKind == Kind::kDown) {  // every thread's router weight has landed
@@ -221,8 +219,7 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
     if (kKind == Kind::kGateUp) {
       handoff.flush<false>(p, kTileBarrier + cw);
       handoff.pending = tile.group;
-      // f16 path: the products carry 2^(268 - top_w - top_x); the rows' factors are in
-      // registers, the 128 tokens' in wt. Both multiplications are exact (mx::kWindow).
+      // f16 path: the rows' window factors in registers, the 128 tokens' in wt.
       float fw[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
       if constexpr (kT == RsType::kF16) {
         const int q = threadIdx.x & 127;
@@ -240,42 +237,10 @@ __device__ void consume_mxfp8(const GemmParams& p, uint32_t sbase, const Barrier
         named_barrier_sync(kTileBarrier + cw, 128);
       }
       const int col = n0 + 64 * cw + pc;  // physical h column (K-permuted for the down GEMM)
-      if (n0 + 64 * cw < p.n_out) {
-        __nv_bfloat16* out = rows0 + col;
-#pragma unroll
-        for (int j = 0; j < 16; ++j, out += row_step)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float g0 = acc0[4 * j + e], g1 = acc0[4 * j + 2 + e];
-            float u0 = acc1[4 * j + e], u1 = acc1[4 * j + 2 + e];
-            if constexpr (kT == RsType::kF16) {
-              const float fx = ld_shared_f32(wt_s + 4 * e + 32 * j);
-              g0 = g0 * fw[0][0] * fx, g1 = g1 * fw[0][1] * fx;
-              u0 = u0 * fw[1][0] * fx, u1 = u1 * fw[1][1] * fx;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(out + e * p.ldo) =
-                __floats2bfloat162_rn(silu_times(g0, u0), silu_times(g1, u1));
-          }
-      }
+      if (n0 + 64 * cw < p.n_out) store_h_mxfp8<kT>(acc0, acc1, fw, rows0 + col, p.ldo, row_step, wt_s);
     } else {
-      // Output features col0 (block 0) and col0 + 64 (block 1): one factor load for both.
-      const int col0 = n0 + 128 * cw + pc;
-      const bool store0 = col0 < p.n_out, store1 = col0 + 64 < p.n_out;
-      __nv_bfloat16* out = rows0 + col0;
-#pragma unroll
-      for (int j = 0; j < 16; ++j, out += row_step) {
-        if (half && j >= 8) break;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float wv = ld_shared_f32(wt_s + 4 * e + 32 * j);
-          if (store0)
-            *reinterpret_cast<__nv_bfloat162*>(out + e * p.ldo) =
-                __floats2bfloat162_rn(acc0[4 * j + e] * wv, acc0[4 * j + 2 + e] * wv);
-          if (store1)
-            *reinterpret_cast<__nv_bfloat162*>(out + e * p.ldo + 64) =
-                __floats2bfloat162_rn(acc1[4 * j + e] * wv, acc1[4 * j + 2 + e] * wv);
-        }
-      }
+      const int col0 = n0 + 128 * cw + pc;  // output features col0 (block 0) and col0 + 64 (block 1)
+      store_y_mxfp8(acc0, acc1, rows0 + col0, p.ldo, row_step, wt_s, col0 < p.n_out, col0 + 64 < p.n_out, half);
     }
   }
   if (kKind == Kind::kGateUp) handoff.flush<false>(p, kTileBarrier + cw);

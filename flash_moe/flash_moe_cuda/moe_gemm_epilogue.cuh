@@ -1,5 +1,6 @@
-// The bf16 path's epilogue pieces: SwiGLU's arithmetic and the 64 x 64 output boxes the
-// consumers stage in shared memory for TMA stores (put_box_transposed).
+// Epilogue pieces: SwiGLU's arithmetic (both formats), and the bf16 path's 64 x 64 output boxes
+// the consumers stage in shared memory for TMA stores (put_box_transposed). The MXFP8 path's
+// register stores are in moe_gemm_epilogue_mxfp8.cuh.
 #pragma once
 
 #include "moe_gemm_schedule.cuh"
@@ -17,7 +18,8 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
 
 // silu(g) * u in fp32 with the fast reciprocal (rcp.approx, within 1 ulp of fp32; the result
 // is rounded to bf16): the epilogue runs while the tensor cores wait, and the IEEE division
-// made it measurably longer (-4 to -8 % for the whole op at the issue shapes, device run 6).
+// made it measurably longer (-4 to -8 % for the whole op at the issue shapes;
+// flash_moe/DESIGN.md §5).
 // e^-g is __expf's ex2.approx of -g log2(e), flushing results below 2^-126 to zero: 1 + e^-g is
 // 1 for those either way, so this is __expf's result bit for bit, without its subnormal fix-up.
 __device__ __forceinline__ float silu_times(float g, float u) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "flash_moe.cuh"
+#include "heuristics.cuh"
 #include "mxfp8.cuh"
 
 namespace flash_moe {
@@ -12,9 +13,7 @@ namespace {
 constexpr int kThreadsPerCta = 256;
 
 int grid_for(int64_t chunks) {
-  const int64_t want = (chunks + kThreadsPerCta - 1) / kThreadsPerCta;
-  const int64_t cap = (int64_t)sm_count() * 16;  // enough CTAs to keep every SM's load queue full
-  return (int)(want < cap ? want : cap);
+  return heuristics::capped_grid(chunks, kThreadsPerCta, heuristics::kConvertCtasPerSm);
 }
 
 

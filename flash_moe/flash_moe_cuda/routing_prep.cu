@@ -6,6 +6,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "flash_moe.cuh"
+#include "heuristics.cuh"
 #include "moe_gemm_schedule.cuh"
 
 namespace flash_moe {
@@ -104,10 +105,9 @@ __global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t*
 cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids, const int32_t* ntpp, int64_t L,
                            int64_t n_slots, int64_t E, int32_t* inv, int32_t* block_live, cudaStream_t stream) {
   if (L == 0) return cudaSuccess;
-  const int ib = 256;
-  int ig = (int)((L + ib - 1) / ib);
-  if (ig > 4 * sm_count()) ig = 4 * sm_count();
-  inverse_kernel<<<ig, ib, 0, stream>>>(sorted_ids, expert_ids, ntpp, (int)L, (int)n_slots, (int)E, inv, block_live);
+  using namespace heuristics;
+  inverse_kernel<<<capped_grid(L, kInverseThreads, kInverseCtasPerSm), kInverseThreads, 0, stream>>>(
+      sorted_ids, expert_ids, ntpp, (int)L, (int)n_slots, (int)E, inv, block_live);
   return cudaGetLastError();
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "flash_moe.cuh"
+#include "heuristics.cuh"
 #include "launch.cuh"
 
 namespace flash_moe {
@@ -49,12 +50,10 @@ __global__ void reduce_kernel(const __nv_bfloat16* __restrict__ Y, const int32_t
 
 cudaError_t topk_sum(const void* Y, const int32_t* inv, void* out, int64_t M, int64_t K, int top_k,
                      bool split, cudaStream_t stream) {
-  const int64_t work = M * (K / 8);
-  const int rb = 256;
-  int64_t rg = (work + rb - 1) / rb;
-  if (rg > 16 * sm_count()) rg = 16 * sm_count();
-  return host::launch(reduce_kernel, (int)rg, rb, 0, true, 1, stream, static_cast<const __nv_bfloat16*>(Y), inv,
-                      static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
+  using namespace heuristics;
+  const int grid = capped_grid(M * (K / 8), kReduceThreads, kReduceCtasPerSm);  // 8 columns per thread
+  return host::launch(reduce_kernel, grid, kReduceThreads, 0, true, 1, stream, static_cast<const __nv_bfloat16*>(Y),
+                      inv, static_cast<__nv_bfloat16*>(out), M, (int)K, top_k, !split);
 }
 
 }  // namespace flash_moe
