@@ -12,7 +12,7 @@ def demo_rmsnorm(rmsnorm) -> str:
     vals, scales, rrms = rmsnorm.fused_rmsnorm_residual(branch, residual, weight)
     b = branch.float()
     y = b * torch.rsqrt(b.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float() + residual.float()
-    # Unpack the blocked scales (DESIGN §6) to one exponent per 32-wide block, then dequantize.
+    # Unpack the blocked scales (docs/DESIGN.md §6) to one exponent per 32-wide block, then dequantize.
     s = c // 32
     r, k = torch.arange(n, device="cuda")[:, None], torch.arange(s, device="cuda")[None, :]
     offset = ((r // 128) * ((s + 3) // 4) + k // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + k % 4

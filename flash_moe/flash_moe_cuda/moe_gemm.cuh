@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   Barriers<kStages> bars{sbase + Plan::kBarOffset};
   if (kPaired) bars.peer = peer_smem(bars.base, rank ^ 1);
   TileSlots slots(sbase + Plan::kSlotOffset, kStages, rank, kPaired);
-  const int nk = (p.K + kBK - 1) / kBK;
+  const int nk = (p.K + kBK - 1) / kBK;  // k-blocks per tile: stages each tile takes
   if constexpr (kW != Weights::kBf16 && kKind == Kind::kGateUp)
     if ((*p.mx.window_misfit == 0u) != (kW == Weights::kMxfp8Window)) return;
 

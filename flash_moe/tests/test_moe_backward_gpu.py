@@ -101,7 +101,7 @@ def prime_rl_backward(grad_out, x, w1, w2, w3, selected_experts_indices, top_sco
 
 CASES = [
     # M, K, I, E, top_k, weights, drop, one expert
-    (256, 2048, 768, 64, 8, torch.bfloat16, 0.0, None),  # a real shape (DESIGN §5), small M
+    (256, 2048, 768, 64, 8, torch.bfloat16, 0.0, None),  # a real shape (docs/DESIGN.md §5), small M
     (512, 2048, 768, 128, 8, torch.float32, 0.0, None),  # fp32 master weights
     (128, 4096, 1536, 32, 8, torch.bfloat16, 0.0, None),
     (64, 7168, 2048, 16, 4, torch.bfloat16, 0.0, None),

@@ -1,6 +1,6 @@
 """Where a kernel would load from, and whether it can run on this device.
 
-Resolution order (DESIGN §3): `LOCAL_KERNELS` (the `kernels` convention, `repo_id=path:...`),
+Resolution order (docs/DESIGN.md §3): `LOCAL_KERNELS` (the `kernels` convention, `repo_id=path:...`),
 then the member's local build (`<member>/build/<variant>/`, only in a workspace), then the Hub
 through `kernels.get_kernel(repo_id, version=|revision=)` with the pin `workspace.choose_pin`
 picks (from the local cache alone when `HF_HUB_OFFLINE=1`). The variant's `metadata.json` is read
