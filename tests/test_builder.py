@@ -91,6 +91,19 @@ def test_registry_reports_the_skip_reason(tmp_path):
     assert "`prime-kernels build toy` skipped it: no CUDA toolkit" in result.stdout, result.stderr
 
 
+def test_registry_lists_only_variants_as_variants(tmp_path):
+    """A build/ holding the builder's hidden .obj/ and another torch's variant: the reason names
+    the variant, not .obj."""
+    from prime_kernels.registry import _from_local_build
+
+    root = make_workspace(tmp_path)
+    for folder in (".obj", "torch199-cxx11-cu990-x86_64-linux"):
+        (root / "toy" / "build" / folder).mkdir(parents=True)
+    found, problem = _from_local_build(read_workspace(root)["toy"], None)
+    assert found is None and "variants there: torch199-cxx11-cu990-x86_64-linux)" in problem, problem
+    assert ".obj" not in problem
+
+
 # -- a real build (needs nvcc and a CUDA build of torch; no GPU) ------------------------------------
 
 

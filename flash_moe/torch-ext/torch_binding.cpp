@@ -32,9 +32,10 @@ void check_dtype(const at::Tensor& t, at::ScalarType want, const char* op, const
   PK_CHECK(t.scalar_type() == want, op, ": ", name, " must have dtype ", want, ", got ", t.scalar_type());
 }
 
-void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name) {
-  PK_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as x (", ref.device(),
-           "), got ", t.device());
+void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name,
+                       const char* ref_name = "x") {
+  PK_CHECK(t.device() == ref.device(), op, ": ", name, " must be on the same device as ", ref_name, " (",
+           ref.device(), "), got ", t.device());
 }
 
 void check_aligned16(const at::Tensor& t, const char* op, const char* name) {
@@ -325,7 +326,7 @@ at::Tensor dequantize_mxfp8(const at::Tensor& vals, const at::Tensor& scales) {
   PK_CHECK(scales.sizes().vec() == sshape, op, ": scales must have shape vals.shape[:-1] + (K/32,) = ",
            at::IntArrayRef(sshape), " (row-major), got ", scales.sizes());
   check_cuda_contig(scales, op, "scales");
-  check_same_device(scales, vals, op, "scales");
+  check_same_device(scales, vals, op, "scales", "vals");
   check_dtype(scales, at::kFloat8_e8m0fnu, op, "scales");
   check_aligned16(vals, op, "vals");
   const c10::cuda::CUDAGuard guard(vals.device());

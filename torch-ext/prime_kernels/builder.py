@@ -43,7 +43,7 @@ import sys
 import sysconfig
 
 from . import capability
-from .registry import SKIP_MARKER
+from .registry import SKIP_MARKER, variant_dirs
 from .workspace import KernelSpec
 
 NVCC_FLAGS = (
@@ -479,13 +479,6 @@ def abi_failures(so: pathlib.Path, checks=(ABI3_CHECK, MANYLINUX)) -> list[str]:
     except ValueError as e:  # not an object file kernel-abi-check can parse
         return [f"{so}: fails every ABI check: {e}"]
     return [f"{so}: fails {check}: {', '.join(found[check])}" for check in checks if found[check]]
-
-
-def variant_dirs(build_dir: pathlib.Path) -> list[pathlib.Path]:
-    """The variant folders of a member's build/ (the local builder's hidden .obj/ is not one)."""
-    if not build_dir.is_dir():
-        return []
-    return sorted(p for p in build_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def is_development_build(variant: pathlib.Path) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 
 from . import capability
 from .workspace import HubPin, KernelSpec, choose_pin
@@ -19,6 +20,13 @@ from .workspace import HubPin, KernelSpec, choose_pin
 # Written by `prime-kernels build` into <member>/build/ when it skips the member.
 SKIP_MARKER = "SKIPPED"
 LOCAL_KERNELS_FORM = "`org/name=/path[:org/name=/path...]`"
+
+
+def variant_dirs(build_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The variant folders of a member's build/ (the local builder's hidden .obj/ is not one)."""
+    if not build_dir.is_dir():
+        return []
+    return sorted(p for p in build_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +195,7 @@ def _from_local_build(spec: KernelSpec, device_problem: str | None) -> tuple[_Fo
         if device_problem is not None and _fact(skipped) in device_problem:
             return None, f"not built: `prime-kernels build {spec.name}` skipped it for the same reason"
         return None, f"not built: `prime-kernels build {spec.name}` skipped it: {skipped}"
-    variants = sorted(p.name for p in spec.build_dir.iterdir() if p.is_dir()) if spec.build_dir.is_dir() else []
+    variants = [p.name for p in variant_dirs(spec.build_dir)]
     have = f"variants there: {', '.join(variants)}" if variants else "no variants there"
     detail = f" ({trace})" if trace else ""
     return None, (
