@@ -59,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.relative_to(ROOT)} differs from common/{name}: edit common/{name}, then run "
                   "`python scripts/sync_common.py`", file=sys.stderr)
         return 1 if bad else 0
-    for path, (_, text) in expected().items():
-        if not path.is_file() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            print(f"wrote {path.relative_to(ROOT)}")
+    texts = expected()
+    for path, _ in stale():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(texts[path][1])
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 

@@ -78,14 +78,13 @@ def _pin_notes(resolutions) -> list[str]:
 def status_table(device=None) -> str:
     """The device; per kernel: capabilities built for, Hub pin (and which file chose it), where it
     would load from, "available" or why not; then the files the pins came from."""
-    from . import _specs
+    from . import _specs, status
     from .capability import sm_name
-    from .registry import resolve
 
     rows = [["kernel", "built for", "hub pin", "loads from", "status"]]
     resolutions = []
-    for spec in _specs().values():
-        r = resolve(spec, device)
+    for name, kernel_status in status(device).items():
+        r, spec = kernel_status.resolution, _specs()[name]
         resolutions.append(r)
         rows.append([
             spec.name,

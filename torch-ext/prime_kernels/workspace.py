@@ -160,11 +160,24 @@ def _str_list(table: dict, key: str, path: pathlib.Path, where: str, required: b
     return tuple(value)
 
 
-def _release_number(value, path: pathlib.Path, field: str) -> int:
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_release_number(value) -> bool:
     """A version is a release branch v1, v2, ...: an integer >= 1."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    return _is_int(value) and value >= 1
+
+
+def _is_revision(value) -> bool:
+    """A branch, tag or commit: a non-empty string."""
+    return isinstance(value, str) and bool(value)
+
+
+def _release_number(value, path: pathlib.Path, field: str) -> int:
+    if not _is_int(value):
         raise ManifestError(f"{path}: field `{field}` must be an int, got {value!r}")
-    if value < 1:
+    if not _is_release_number(value):
         raise ManifestError(
             f"{path}: field `{field}` must be an integer >= 1 (release branches are v1, v2, ...), got {value!r}"
         )
@@ -194,7 +207,7 @@ def _hub_pin(table: dict, path: pathlib.Path, where: str) -> tuple[int | None, s
         raise ManifestError(f"{path}: `[{where.rstrip('.')}]` needs exactly one of `version` or `revision`")
     if version is not None:
         _release_number(version, path, f"{where}version")
-    if revision is not None and (not isinstance(revision, str) or not revision):
+    if revision is not None and not _is_revision(revision):
         raise ManifestError(f"{path}: field `{where}revision` must be a non-empty string, got {revision!r}")
     return version, revision
 
@@ -435,9 +448,9 @@ def argument_pin(version: int | None, revision: str | None) -> HubPin | None:
         return None
     if version is not None and revision is not None:
         raise ValueError(f"pass version= or revision=, not both (got version={version!r}, revision={revision!r})")
-    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 1):
+    if version is not None and not _is_release_number(version):
         raise ValueError(f"version must be an integer >= 1 (release branches are v1, v2, ...), got {version!r}")
-    if revision is not None and (not isinstance(revision, str) or not revision):
+    if revision is not None and not _is_revision(revision):
         raise ValueError(f"revision must be a non-empty string (a branch, tag or commit), got {revision!r}")
     return HubPin(version, revision, ORIGIN_ARGUMENT, None)
 

@@ -33,9 +33,11 @@ def _routing(topk_ids: torch.Tensor, num_experts: int):
     token = slot // top_k
     # Group ends: expert e's run is the blocks whose expert id is e, in expert order.
     block = expert_ids.long()
+    # scatter_add, not bincount: bincount sizes its output on the host (a sync).
     counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=block.device)
     counts.scatter_add_(0, torch.where(block >= 0, block, num_experts), torch.ones_like(block, dtype=torch.int32))
-    offs = (torch.cumsum(counts[:num_experts], 0) * (L // block.numel())).to(torch.int32)
+    block_m = L // block.numel()  # moe_align's block
+    offs = (torch.cumsum(counts[:num_experts], 0) * block_m).to(torch.int32)
     inv = torch.full((n_slots + 1,), L, dtype=torch.long, device=slot.device)
     inv.scatter_(0, torch.where(live, slot, n_slots), positions.long())  # padding all lands on the spare entry
     return sorted_ids, expert_ids, ntpp, live, token, slot, offs, inv[:n_slots]
