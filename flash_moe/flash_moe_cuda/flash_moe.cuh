@@ -80,9 +80,39 @@ struct FusedMoeBf16Args {
   int bpc;                   // m-blocks per cluster: 1, or 2 (CTA pairs sharing weight loads)
   bool split;                // true: out = result; false: out += result
   void* workspace;           // fused_moe_bf16_workspace_bytes(...) bytes, 256-byte aligned
+  // Training: the gate/up pre-activations for fused_moe_bf16_dgrad (preact_bytes(L, I) bytes,
+  // I a multiple of 64, bpc any), or null.
+  void* preact = nullptr;
 };
 
 size_t fused_moe_bf16_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);
+// The pre-activations' size: 2 * L * I bf16, in the GEMM's fragment order (gemm::preact_chunk).
+constexpr int64_t preact_bytes(int64_t L, int64_t I) { return 2 * L * I * 2; }
+
+// ---------------------------------------------------------------- fused_moe_bf16_dgrad
+// The backward's data gradients, given grad_out and what fused_moe_bf16 saved (preact, with the
+// same routing buffers): the SwiGLU-backward GEMM (dh = grad_out[tok] @ W2[e], then dA|dB, s*h
+// and the score gradient), the input-gradient GEMM (dx slots = dA|dB @ W[e]) and the top-k sum
+// of those slots. I must be a multiple of 64. No atomics on floats: bit-identical run to run.
+struct FusedMoeBf16DgradArgs {
+  const void* grad_out;       // (M, K) bf16
+  const void* w;              // (E, 2I, K) bf16
+  const void* w2;             // (E, K, I) bf16
+  const void* preact;         // fused_moe_bf16's preact
+  const int32_t* sorted_ids;  // the forward's routing buffers
+  const int32_t* expert_ids;
+  const int32_t* ntpp;
+  const float* topk_weights;  // (M * top_k,)
+  void* grad_x;               // (M, K) bf16: sum over k of dx slots
+  void* dab;                  // (L, 2I) bf16: s * dL/d(gate|up pre-activation) by sorted position
+  void* sh;                   // (L, I) bf16: s * h by sorted position
+  float* score;               // (M * top_k,) fp32: dL/d topk_weights (0 for a dropped slot)
+  int64_t M, K, I, E, L;
+  int top_k;
+  void* workspace;            // fused_moe_bf16_dgrad_workspace_bytes(...) bytes, 256-byte aligned
+};
+size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);
+cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& args, cudaStream_t stream);
 
 // Returns cudaSuccess or the first CUDA error (launch or tensor-map encoding failure ->
 // cudaErrorInvalidValue).

@@ -149,6 +149,7 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
     GemmParams p1, p2;
     make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
                 a.K, a.I, a.E, a.L, a.top_k, p1, p2);
+    p1.gate_up.preact = static_cast<uint4*>(a.preact);
     // pipeline depth x CTA pairs: the four kernel pairs
     const auto gemms = [&](auto paired) {
       constexpr bool kPaired = decltype(paired)::value;

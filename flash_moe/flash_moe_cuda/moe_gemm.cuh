@@ -51,8 +51,10 @@ struct Bf16Maps {
   CUtensorMap tokens;       // kDown: h rows, kBM-row boxes
   CUtensorMap tokens_tail;  // kDown: h rows kBM.. of a longer tile, (kMaxRows - kBM)-row boxes
   CUtensorMap weights;      // w (gate/up) or w2 (down), 128-row boxes
-  CUtensorMap out;          // h or Y, the epilogue's 64 x 64 store boxes
-  CUtensorMap out_rows;     // h or Y, kStoreRows-row boxes: output boxes with fewer live tokens
+  CUtensorMap out;          // h or Y (kDownDgrad: dA|dB), the epilogue's 64 x 64 store boxes
+  CUtensorMap out_rows;     // the same, kStoreRows-row boxes: output boxes with fewer live tokens
+  CUtensorMap out2;         // kDownDgrad: s*h, 64 x 64 boxes
+  CUtensorMap out2_rows;    // kDownDgrad: s*h, kStoreRows-row boxes
 };
 struct Mxfp8Maps {          // the MXFP8 epilogues store from registers: no output maps
   CUtensorMap tokens;       // kDown: h rows
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     if constexpr (kW == Weights::kBf16)
-      consume_bf16<kKind, kStages>(&tm.out, &tm.out_rows, p, sbase, bars, slots, nk);
+      consume_bf16<kKind, kStages>(&tm.out, &tm.out_rows, &tm.out2, &tm.out2_rows, p, sbase, bars, slots, nk);
     else
       consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,
                                                                                                slots, nk);

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "moe_gemm_epilogue.cuh"
+#include "moe_gemm_epilogue_dgrad.cuh"
 #include "moe_gemm_stages.cuh"
 
 namespace flash_moe {
@@ -84,8 +85,10 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 // stage is released once the stores have read it, after the next tile's first wgmmas are issued
 // (the producer is then kStages - 1 ahead). Tokens kBM.. of a longer tile are stored from
 // registers.
+// kDownDgrad: out / out_rows store dA|dB, out2 / out2_rows s*h (DgradBoxes).
 template <Kind kKind, int kStages>
-__device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows, const GemmParams& p, uint32_t sbase,
+__device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows, const CUtensorMap* out2,
+                             const CUtensorMap* out2_rows, const GemmParams& p, uint32_t sbase,
                              const Barriers<kStages>& bars, const TileSlots& slots, int nk) {
   using Plan = SmemPlan<kStages>;
   constexpr int kExtra = kMaxRows - kBM;
@@ -118,10 +121,12 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) {
         const uint64_t dt = make_desc_sw128(tok + kk * 32);
-        const uint64_t d0 = make_desc_sw128(w0 + kk * 32), d1 = make_desc_sw128(w1 + kk * 32);
+        // M-major weights: a k16 step is 16 rows of 128 bytes further; K-major: 32 bytes.
+        const uint64_t d0 = mn_major(kKind) ? make_desc_sw128_mn(w0 + kk * 2048) : make_desc_sw128(w0 + kk * 32);
+        const uint64_t d1 = mn_major(kKind) ? make_desc_sw128_mn(w1 + kk * 2048) : make_desc_sw128(w1 + kk * 32);
         const int sc = (kb > 0 || kk > 0) ? 1 : 0;
-        wgmma_ss_bf16<kN>(acc0, d0, dt, sc);
-        wgmma_ss_bf16<kN>(acc1, d1, dt, sc);
+        wgmma_ss_bf16<kN, mn_major(kKind)>(acc0, d0, dt, sc);
+        wgmma_ss_bf16<kN, mn_major(kKind)>(acc1, d1, dt, sc);
       }
       wgmma_commit();
       if (kb == 0) release_held();
@@ -150,9 +155,9 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       const int sid = q < tile.rows ? p.sorted_ids[tile.m0 + q] : -1;
       const int xsid = q < kExtra && kBM + q < tile.rows ? p.sorted_ids[tile.m0 + kBM + q] : -1;
       const bool live_q = live_slot(p, sid), live_x = live_slot(p, xsid);
-      if (kKind == Kind::kDown) {
-        if (live_q) wq = p.down.topk_weights[sid];
-        if (live_x) wx = p.down.topk_weights[xsid];
+      if (kKind != Kind::kGateUp) {  // kGateUpDgrad: no router weights (weight 1)
+        if (live_q) wq = p.down.topk_weights ? p.down.topk_weights[sid] : 1.f;
+        if (live_x) wx = p.down.topk_weights ? p.down.topk_weights[xsid] : 1.f;
       }
       n = named_barrier_popc(kTileBarrier + cw, 128, live_q);
       if (n == kBM && tile.rows > kBM) n += named_barrier_popc(kTileBarrier + cw, 128, live_x);
@@ -166,10 +171,17 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
     }
     with_tokens(n, mainloop);
 
-    if (kKind == Kind::kDown) {  // every thread is past the previous tile's epilogue (the popc barrier)
+    if (kKind != Kind::kGateUp) {  // every thread is past the previous tile's epilogue (the popc barrier)
       st_shared_f32(wt + 4 * q, wq);
       if (q < kExtra) st_shared_f32(wt + 4 * (kBM + q), wx);
       named_barrier_sync(kEpilogueBarrier + cw, 128);
+    }
+    if constexpr (kKind == Kind::kDownDgrad) {
+      const uint32_t held_boxes = sbase + held * Plan::kStageBytes + Plan::kABytes;
+      const DgradBoxes boxes{out, out_rows, out2, out2_rows, weight_block<kKind>(held_boxes, cw, 0),
+                             weight_block<kKind>(held_boxes, cw, 1), sbase + Plan::kEpiOffset + cw * (Plan::kEpiBytes / 2)};
+      swiglu_dgrad_epilogue(p, tile, n, acc0, acc1, cw, w4, lane, wt, boxes);
+      continue;
     }
     // Accumulator a = 4j + 2h + e: feature row 16 w4 + lane/4 + 8h, token 8j + 2(lane%4) + e.
     const auto token = [&](int a) { return 8 * (a >> 2) + 2 * (lane & 3) + (a & 1); };
@@ -236,6 +248,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
           }
         }
     }
+    if (kKind == Kind::kGateUp && p.gate_up.preact) store_preact(p, tile, n, acc0, acc1, cw, w4, lane);
   }
   release_held();
   if (q == 0) bulk_wait_all();

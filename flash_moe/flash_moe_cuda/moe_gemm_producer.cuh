@@ -140,13 +140,13 @@ struct E4m3Weights {
 template <Kind kKind, int kStages, int kStageBytes, bool kLoaderWarp = false, class LoadStage>
 __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
                               int nk, LoadStage load_stage) {
-  constexpr int kProducers = kKind == Kind::kGateUp ? 128 : (kLoaderWarp ? 32 : 1);
+  constexpr int kProducers = gathers(kKind) ? 128 : (kLoaderWarp ? 32 : 1);
   if (threadIdx.x >= kProducers) return;
   const TileOrder order(p);
   GatherA<gather_threads<kLoaderWarp>()> gather;
-  const bool gathers = kKind == Kind::kGateUp && (int)threadIdx.x >= decltype(gather)::kFirst;
+  const bool gathering = gathers(kKind) && (int)threadIdx.x >= decltype(gather)::kFirst;
   const bool loader = !kLoaderWarp ? threadIdx.x == 0
-                                   : kKind == Kind::kDown || __shfl_sync(0xffffffffu, threadIdx.x / 32, 0) == 0;
+                                   : !gathers(kKind) || __shfl_sync(0xffffffffu, threadIdx.x / 32, 0) == 0;
   uint32_t it = 0;
   for (uint32_t t = 0;; ++t) {
     Tile tile = slots.next(p, order, kProducers);
@@ -160,7 +160,7 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
       it = t * nk;  // every tile takes nk stages (see ConsumerThread)
     }
     if (tile.m0 < 0) break;
-    if (gathers) gather.begin_tile(p, tile);
+    if (gathering) gather.begin_tile(p, tile);
     for (int kb = 0; kb < nk; ++kb, ++it) {
       const int s = it % kStages;
       const uint32_t stage = sbase + s * kStageBytes;
@@ -171,7 +171,7 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
         if (kKind == Kind::kDown && kb == 0 && !(tile.flags & kIdle)) HandOff::wait_ready(p, tile);
         load_stage(tile, kb, stage, bars.full(s), issue);
       }
-      if (gathers) gather.issue(p, kb, stage, bars.full(s));
+      if (gathering) gather.issue(p, kb, stage, bars.full(s));
     }
   }
   const int s = it % kStages;
@@ -180,7 +180,7 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
     TileSlots::put(slots.stage(s), Tile{-1, 0, 0});
     mbar_arrive(bars.full(s));
   }
-  if (gathers) {
+  if (gathering) {
     mbar_arrive(bars.full(s));  // with thread 0's arrive: full_arrivals<kGateUp>()
     cp_async_wait_all();
   }
@@ -201,11 +201,19 @@ __device__ void produce_bf16(const CUtensorMap& tokens, const CUtensorMap& weigh
     const uint32_t b_s = a_s + Plan::kABytes;
     const bool extra = tile.rows > kBM;
     uint32_t tx = 2 * Plan::kBBoxBytes;
-    if (kKind == Kind::kDown) tx += (extra ? kMaxRows : kBM) * kRowBytes;
+    if (!gathers(kKind)) tx += (extra ? kMaxRows : kBM) * kRowBytes;
     mbar_arrive_expect_tx(full, tx);
-    if (kKind == Kind::kDown) {
+    if (!gathers(kKind)) {
       tma_load_2d(a_s, &tokens, kb * kBK, tile.m0, full);
       if (extra) tma_load_2d(a_s + kBM * kRowBytes, &tokens_tail, kb * kBK, tile.m0 + kBM, full);
+    }
+    if constexpr (mn_major(kKind)) {
+      // Box i: features n0 + 64i .. (contiguous) x reduction rows kb * kBK ..; box i is the
+      // 8 KB weight block (cw, block) = (i / 2, i % 2) (weight_block). No CTA pairs.
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        tma_load_3d(b_s + i * (Plan::kBBoxBytes / 2), &weights, n0 + 64 * i, kb * kBK, tile.e, full);
+      return;
     }
     if (tile.flags & kMulticast) {
       // CTA r of the pair loads box r for both: each weight byte leaves L2 once per pair.

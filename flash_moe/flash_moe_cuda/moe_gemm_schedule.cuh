@@ -19,7 +19,20 @@ constexpr int kBM = kBlockM;  // 128 rows (slots) per tile
 constexpr int kBK = 64;       // 64 bf16 = 128 bytes: one swizzle-128B row
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 
-enum class Kind { kGateUp, kDown };
+// The forward's two GEMMs, and the backward's two data-gradient GEMMs, which run on the same
+// kernel with the weights read transposed (M-major):
+//   kDownDgrad    dh[p] = grad_out[tok(p)] @ W2[e]: the gate/up GEMM's token gather on grad_out,
+//                 256 h features per tile, the SwiGLU backward in the epilogue
+//                 (moe_gemm_epilogue_dgrad.cuh)
+//   kGateUpDgrad  dx[p] = dA|dB[p] @ W[e]: the down GEMM's token rows (by TMA) from dA|dB, 256 x
+//                 features per tile, the down GEMM's epilogue without router weights
+enum class Kind { kGateUp, kDown, kDownDgrad, kGateUpDgrad };
+// Token rows gathered from a (M, K) matrix by sorted id (cp.async), not loaded from (L, ..) rows.
+__host__ __device__ constexpr bool gathers(Kind k) { return k == Kind::kGateUp || k == Kind::kDownDgrad; }
+// Weights read M-major: four 64 x 64 boxes per stage (64 features contiguous by 64 reduction rows).
+__host__ __device__ constexpr bool mn_major(Kind k) { return k == Kind::kDownDgrad || k == Kind::kGateUpDgrad; }
+// The tile's output features: 128 (gate/up: 128 gate + 128 up weight rows), else 256.
+__host__ __device__ constexpr int tile_features(Kind k) { return k == Kind::kGateUp ? 128 : 256; }
 
 // Named barriers (bar.sync ids; 0 is __syncthreads): the producer warpgroup has one, each
 // consumer warpgroup cw (0 or 1) two of its own, so the warpgroups never wait on each other.
@@ -32,12 +45,25 @@ enum NamedBarrier : int {
 // The parts of GemmParams that only one GEMM, one weight format or CTA pairs read.
 struct GateUpParams {
   const __nv_bfloat16* x;  // the token rows (M, K) the gather reads: bf16 (f16 on the MXFP8
-                           // scale-window path: the gather only moves 2-byte values)
+                           // scale-window path: the gather only moves 2-byte values); kDownDgrad:
+                           // grad_out
   int64_t lda;             // row stride of x (= K)
+  // bf16 gate/up only, when training: the pre-activations in fragment order (PreactLayout), or
+  // null. kDownDgrad reads them.
+  uint4* preact;
 };
 struct DownParams {
-  const float* topk_weights;  // (M * top_k,) router weights, one per slot
+  const float* topk_weights;  // (M * top_k,) router weights, one per slot (kDown, kDownDgrad);
+                              // null: weight 1 (kGateUpDgrad)
   int h_done_target;          // the HandOff count that makes an m-block's h rows complete
+};
+// kDownDgrad's epilogue (moe_gemm_epilogue_dgrad.cuh): dA|dB go to p.out (L, 2I), s*h to sh,
+// per-warp partial sums of the score gradient to score_part.
+struct DgradParams {
+  __nv_bfloat16* sh;   // (L, I): router weight x h, the down wgrad's operand
+  int64_t ld_sh;       // = I
+  float* score_part;   // (8 * num_n, L): [(nb * 2 + cw) * 4 + w4][position]
+  int I;               // h features (a multiple of 64)
 };
 // Weight scales, each expert's (b_rows, K/32) matrix in the blocked layout on its own
 // (pack_scales_blocked of (E, b_rows, K/32)), so expert e's start at row e * scale_rows.
@@ -80,6 +106,7 @@ struct GemmParams {
   int b_second;                  // row offset of the second weight box from the first
   GateUpParams gate_up;
   DownParams down;
+  DgradParams dgrad;
   Mxfp8Params mx;
   PairParams pairs;
 };
@@ -312,7 +339,20 @@ struct HandOff {
 
 template <Kind kKind>
 __device__ __forceinline__ int n_origin(const Tile& t) {
-  return t.nb * (kKind == Kind::kGateUp ? 128 : 256);
+  return t.nb * tile_features(kKind);
+}
+
+// The gate/up pre-activations a training forward saves for kDownDgrad, in the consumers'
+// fragment order so that both write and read them as one 16-byte vector per thread straight
+// from registers: chunk ((g * L/8 + J) * 4 + w4) * 32 + lane holds, for 64-feature group g,
+// absolute 8-row group J (position 8J..8J+7) and consumer thread (w4, lane), the values of
+// features 64g + 16w4 + lane/4 + 8h at positions 8J + 2(lane%4) + e as bf16
+// {gate(h0,e0), gate(h0,e1), gate(h1,e0), gate(h1,e1), up(..)}: accumulator a = 4j + 2h + e of
+// the gate/up tile (acc0 gate, acc1 up). Both GEMMs tile by m-blocks of kBM rows (or CTA-pair
+// parts of multiples of 8 rows), so every 8-row group holding a live row is written by the
+// forward and read back whole. Size: ceil(I/64) * 64 * 2 * L bf16.
+__device__ __forceinline__ int64_t preact_chunk(int g, int J, int L, int w4, int lane) {
+  return (((int64_t)g * (L / 8) + J) * 4 + w4) * 32 + lane;
 }
 
 }  // namespace gemm

@@ -84,7 +84,7 @@ __host__ __device__ constexpr int gather_threads() {
 // covering tokens and weights.
 template <Kind kKind, bool kLoaderWarp>
 __host__ __device__ constexpr uint32_t full_arrivals() {
-  return kKind == Kind::kGateUp ? gather_threads<kLoaderWarp>() + 1u : 1u;
+  return gathers(kKind) ? gather_threads<kLoaderWarp>() + 1u : 1u;
 }
 
 // Consumers: wait for the stage that starts the next tile and read the tile it carries.

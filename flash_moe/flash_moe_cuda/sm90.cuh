@@ -241,6 +241,19 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr) {
   return d;
 }
 
+// Descriptor of an M-major (MN-major) operand tile in the 128-byte swizzle, as a TMA box of 64
+// M-elements (one 128-byte row) by k rows lands: each k row is 128 bytes, 8-row groups of k are
+// 1024 bytes apart (the stride byte offset); a wgmma's m64 is one row wide, so the leading byte
+// offset (the stride between 64-element M chunks) is never used.
+__device__ __forceinline__ uint64_t make_desc_sw128_mn(uint32_t addr) {
+  uint64_t d = 0;
+  d |= (uint64_t)((addr & 0x3FFFF) >> 4);
+  d |= (uint64_t)(8192 >> 4) << 16;
+  d |= (uint64_t)(1024 >> 4) << 32;
+  d |= (uint64_t)1 << 62;
+  return d;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -284,12 +297,14 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
 // the first kN / 2 registers of d, in the m64n128 layout extended by column groups (j = 0 ..
 // kN/8 - 1). Every wrapper lists all 72 registers as operands (the instruction names only the
 // first kN / 2), so one operand numbering serves every N: desc_a %72, desc_b %73, scale_d %74.
+// kTransA: A is M-major (imm-trans-a = 1): the backward's weight operands, whose M index (the
+// output feature) is the contiguous one in memory (make_desc_sw128_mn).
 #define FM_WGMMA_SS(N, REGS)                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"                                      \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, %72, %73, p, 1, 1, 0, 0;\n}\n" \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, %72, %73, p, 1, 1, %75, 0;\n}\n" \
                : FM_WGMMA_ACC72                                                                     \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-template <int kN>
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA ? 1 : 0))
+template <int kN, bool kTransA = false>
 __device__ __forceinline__ void wgmma_ss_bf16(float (&d)[72], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(kN % 8 == 0 && kN >= 8 && kN <= 144, "wgmma_ss_bf16: N = 8, 16, .., 144");
   if constexpr (kN == 8)

@@ -1,6 +1,8 @@
-"""The differentiable `moe`'s backward (functional.moe_backward) on the CPU: its gradients against
-fp64 autograd through the reference, with the reference `moe_align` standing in for the kernel's
-(same layout). The GPU tests (test_moe_backward_gpu.py) run it with the kernels."""
+"""The differentiable `moe`'s backwards on the CPU: the composed `moe_backward` and the fused
+path's `fused_backward` (with the reference `fused_moe_bf16_dgrad` standing in for the kernel),
+their gradients against fp64 autograd through the reference, with the reference `moe_align`
+standing in for the kernel's (same layout); and the pre-activation layout. The GPU tests
+(test_moe_backward_gpu.py, test_fused_dgrad_gpu.py) run them with the kernels."""
 
 import pathlib
 
@@ -19,36 +21,76 @@ def functional(reference):
 
     return kernel_package.load_submodule(
         "flash_moe_functional_parent", MEMBER_DIR / "torch-ext" / "flash_moe", "functional",
-        moe_align=reference.moe_align, fused_moe_bf16=unused, fused_moe_mxfp8=unused, quantize_mxfp8=unused)
+        moe_align=reference.moe_align, fused_moe_bf16=unused, fused_moe_mxfp8=unused, quantize_mxfp8=unused,
+        fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, preact_numel=lambda L, I: 2 * L * I)
 
 
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("M,K,I,E,top_k,drop", [(64, 64, 32, 4, 2, 0.0), (50, 128, 64, 8, 3, 0.25),
-                                                 (1, 64, 32, 8, 2, 0.0), (40, 64, 32, 16, 1, 0.0)])
-def test_backward_matches_fp64_autograd(functional, reference, M, K, I, E, top_k, drop):
-    g = torch.Generator().manual_seed(M + E)
+def _problem(M, K, I, E, top_k, drop, seed):
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).bfloat16()
     w1, w3 = (torch.randn(E, I, K, generator=g) / K ** 0.5 for _ in range(2))  # fp32 master weights
     w2 = torch.randn(E, K, I, generator=g) / I ** 0.5
     scores, ids = F.softmax(torch.randn(M, E, generator=g), -1).topk(top_k, -1)
     if drop:
         ids = torch.where(torch.rand(M, top_k, generator=g) < drop, torch.full_like(ids, -1), ids)
-    grad_out = torch.randn(M, K, generator=g).bfloat16()
-    grads = functional.moe_backward(grad_out, x, w1, w2, w3, ids, scores)
+    return x, w1, w2, w3, ids, scores, torch.randn(M, K, generator=g).bfloat16()
 
+
+def _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out):
+    """grads (x, w1, w2, w3, topk_weights) against fp64 autograd through the reference: dtypes,
+    shapes, relative error (bf16 operands), and a dropped slot's score gradient exactly 0."""
     leaves = [t.double().requires_grad_() for t in (x, w1, w2, w3, scores)]
     out = reference.moe_fp32(leaves[0], torch.cat([leaves[1], leaves[3]], 1), leaves[2], ids.to(torch.int32),
                              leaves[4], dtype=torch.float64)
     out.backward(grad_out.double())
     for name, got, leaf, src in zip(("x", "w1", "w2", "w3", "topk_weights"), grads, leaves, (x, w1, w2, w3, scores)):
         assert got.dtype == src.dtype and got.shape == src.shape, name
-        assert _rel(got, leaf.grad) < 2e-2, (name, _rel(got, leaf.grad))  # bf16 operands
+        assert _rel(got, leaf.grad) < 2e-2, (name, _rel(got, leaf.grad))
     dropped = ids < 0
     assert torch.equal(grads[4][dropped], torch.zeros_like(grads[4][dropped]))
+
+
+@pytest.mark.parametrize("M,K,I,E,top_k,drop", [(64, 64, 32, 4, 2, 0.0), (50, 128, 64, 8, 3, 0.25),
+                                                 (1, 64, 32, 8, 2, 0.0), (40, 64, 32, 16, 1, 0.0)])
+def test_backward_matches_fp64_autograd(functional, reference, M, K, I, E, top_k, drop):
+    x, w1, w2, w3, ids, scores, grad_out = _problem(M, K, I, E, top_k, drop, seed=M + E)
+    grads = functional.moe_backward(grad_out, x, w1, w2, w3, ids, scores)
+    _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
     assert all(torch.equal(a, b) for a, b in zip(grads, functional.moe_backward(grad_out, x, w1, w2, w3, ids, scores)))
     only_w2 = functional.moe_backward(grad_out, x, w1, w2, w3, ids, scores, (False, False, True, False, False))
     assert only_w2[2] is not None and all(t is None for i, t in enumerate(only_w2) if i != 2)
     assert torch.equal(only_w2[2], grads[2])
+
+
+
+
+@pytest.mark.parametrize("M,K,I,E,top_k,drop", [(64, 64, 64, 4, 2, 0.0), (50, 128, 128, 8, 3, 0.25),
+                                                 (1, 64, 64, 8, 2, 0.0)])
+def test_fused_backward_matches_fp64_autograd(functional, reference, M, K, I, E, top_k, drop):
+    x, w1, w2, w3, ids, scores, grad_out = _problem(M, K, I, E, top_k, drop, seed=M + E)
+    sorted_ids, expert_ids, ntpp = reference.moe_align(ids.to(torch.int32), E)
+    preact = torch.full((2 * sorted_ids.numel() * I,), float("nan"), dtype=torch.bfloat16)
+    w = torch.cat([w1, w3], 1).bfloat16()
+    reference.fused_moe_bf16(x, w, w2.bfloat16(), sorted_ids, expert_ids, ntpp, scores, torch.empty_like(x), top_k,
+                             preact=preact)
+    grads = functional.fused_backward(grad_out, x, w1, w2, w3, scores, (sorted_ids, expert_ids, ntpp, top_k), preact)
+    _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
+
+
+def test_preact_layout_is_a_permutation(reference):
+    L, I = 256, 192
+    idx = reference._preact_index(L, I).reshape(-1)
+    assert torch.equal(idx.sort().values, torch.arange(2 * L * I))
+    a, u = torch.randn(L, I).bfloat16(), torch.randn(L, I).bfloat16()
+    packed = reference.pack_preact(a, u)
+    got_a, got_u = reference.unpack_preact(packed, L, I)
+    assert torch.equal(got_a, a) and torch.equal(got_u, u)
+    # one 16-byte chunk: thread (w4=1, lane=5) of group 0, rows 8..15: gate then up, (h, e) order
+    c = ((0 * (L // 8) + 1) * 4 + 1) * 32 + 5
+    f, p = 16 + 5 // 4, 8 + 2 * (5 % 4)
+    want = [a[p, f], a[p + 1, f], a[p, f + 8], a[p + 1, f + 8], u[p, f], u[p + 1, f], u[p, f + 8], u[p + 1, f + 8]]
+    assert torch.equal(packed[8 * c:8 * c + 8], torch.stack(want))

@@ -106,6 +106,15 @@ def test_quantize_mxfp8_bit_patterns(reference):
     assert v2.float().max().item() <= 448.0
 
 
+def _binding_schemas():
+    """The op schemas of torch_binding.cpp's ops.def(...) calls (their string literals joined)."""
+    import re
+
+    src = (MEMBER / "torch-ext" / "torch_binding.cpp").read_text()
+    calls = re.findall(r"ops\.def\(((?:\s*\"(?:[^\"\\]|\\.)*\")+)\s*\)", src)
+    return ["".join(re.findall(r'"((?:[^"\\]|\\.)*)"', c)) for c in calls]
+
+
 def _init_module(reference):
     """The package __init__ with a stub ._ops (no native code), to test pure-Python parts."""
     import sys
@@ -114,17 +123,8 @@ def _init_module(reference):
     folder = MEMBER / "torch-ext" / "flash_moe"
     ops_mod = types.ModuleType("flash_moe_cpu_pkg._ops")
     lib = torch.library.Library("flash_moe_cpu_test", "FRAGMENT")
-    lib.define("moe_align(Tensor topk_ids, int num_experts, int block_m, int bpc) -> (Tensor, Tensor, Tensor)")
-    lib.define("fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
-               "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, "
-               "int block_n, int warp_n, int stages, int bpc, int cpc, bool split) -> ()")
-    # the MXFP8 ops, with the binding's schemas (the package registers fake kernels for them)
-    lib.define("fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
-               "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "
-               "Tensor(a!) out, int top_k, int block_m, int block_n, int warp_n, int stages, int bpc, int cpc, "
-               "bool split) -> ()")
-    lib.define("quantize_mxfp8(Tensor t, bool blocked) -> (Tensor, Tensor)")
-    lib.define("dequantize_mxfp8(Tensor vals, Tensor scales) -> Tensor")
+    for schema in _binding_schemas():  # the package registers fake kernels for every op
+        lib.define(schema)
     ops_mod.ops = torch.ops.flash_moe_cpu_test
     ops_mod.add_op_namespace_prefix = lambda name: f"flash_moe_cpu_test::{name}"
     ops_mod._lib = lib

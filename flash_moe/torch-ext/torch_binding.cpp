@@ -89,7 +89,8 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
                          const at::Tensor& out, int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
-                         int64_t bpc, int64_t cpc) {
+                         int64_t bpc, int64_t cpc,
+                          const char* xn = "x") {
   PK_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   PK_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
   PK_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
@@ -98,7 +99,7 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
            "], got ", top_k);
 
-  check_cuda_contig(x, op, "x");
+  check_cuda_contig(x, op, xn);
   check_cuda_contig(w, op, "w");
   check_cuda_contig(w2, op, "w2");
   check_cuda_contig(sorted_token_ids, op, "sorted_token_ids");
@@ -106,33 +107,33 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   check_cuda_contig(num_tokens_post_padded, op, "num_tokens_post_padded");
   check_cuda_contig(topk_weights, op, "topk_weights");
   check_cuda_contig(out, op, "out");
-  check_same_device(w, x, op, "w");
-  check_same_device(w2, x, op, "w2");
-  check_same_device(sorted_token_ids, x, op, "sorted_token_ids");
-  check_same_device(expert_ids, x, op, "expert_ids");
-  check_same_device(num_tokens_post_padded, x, op, "num_tokens_post_padded");
-  check_same_device(topk_weights, x, op, "topk_weights");
-  check_same_device(out, x, op, "out");
+  check_same_device(w, x, op, "w", xn);
+  check_same_device(w2, x, op, "w2", xn);
+  check_same_device(sorted_token_ids, x, op, "sorted_token_ids", xn);
+  check_same_device(expert_ids, x, op, "expert_ids", xn);
+  check_same_device(num_tokens_post_padded, x, op, "num_tokens_post_padded", xn);
+  check_same_device(topk_weights, x, op, "topk_weights", xn);
+  check_same_device(out, x, op, "out", xn);
   check_dtype(out, at::kBFloat16, op, "out");
   check_dtype(sorted_token_ids, at::kInt, op, "sorted_token_ids");
   check_dtype(expert_ids, at::kInt, op, "expert_ids");
   check_dtype(num_tokens_post_padded, at::kInt, op, "num_tokens_post_padded");
   check_dtype(topk_weights, at::kFloat, op, "topk_weights");
 
-  PK_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", x.sizes());
+  PK_CHECK(x.dim() == 2, op, ": ", xn, " must be 2-D (M, K), got shape ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
   PK_CHECK(w.dim() == 3, op, ": w must be 3-D (E, 2*I, K), got shape ", w.sizes());
   const int64_t E = w.size(0), N = w.size(1);
   PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": w.size(0) (experts) must be in [1, ",
            flash_moe::kMaxExperts, "], got ", E);
-  PK_CHECK(w.size(2) == K, op, ": w.size(2) must equal x.size(1) = ", K, ", got ", w.size(2));
+  PK_CHECK(w.size(2) == K, op, ": w.size(2) must equal ", xn, ".size(1) = ", K, ", got ", w.size(2));
   PK_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
   const int64_t I = N / 2;
-  PK_CHECK(K > 0 && K % 8 == 0, op, ": x.size(1) (K) must be a positive multiple of 8, got ", K);
+  PK_CHECK(K > 0 && K % 8 == 0, op, ": ", xn, ".size(1) (K) must be a positive multiple of 8, got ", K);
   PK_CHECK(I % 8 == 0, op, ": I = w.size(1)/2 must be a multiple of 8, got ", I);
   PK_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, K, I), got shape ", w2.sizes());
   PK_CHECK(w2.size(0) == E, op, ": w2.size(0) must equal w.size(0) = ", E, ", got ", w2.size(0));
-  PK_CHECK(w2.size(1) == K, op, ": w2.size(1) must equal x.size(1) = ", K, ", got ", w2.size(1));
+  PK_CHECK(w2.size(1) == K, op, ": w2.size(1) must equal ", xn, ".size(1) = ", K, ", got ", w2.size(1));
   PK_CHECK(w2.size(2) == I, op, ": w2.size(2) must equal w.size(1)/2 = ", I, ", got ", w2.size(2));
   PK_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, op, ": out must have shape (", M, ", ", K,
            ") like x, got ", out.sizes());
@@ -153,7 +154,7 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
            " entries, got shape ", expert_ids.sizes());
   PK_CHECK(num_tokens_post_padded.numel() >= 1, op,
            ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
-  check_aligned16(x, op, "x");
+  check_aligned16(x, op, xn);
   check_aligned16(w, op, "w");
   check_aligned16(w2, op, "w2");
   check_aligned16(out, op, "out");
@@ -185,26 +186,44 @@ void check_weight_scales(const at::Tensor& s, const at::Tensor& x, int64_t E, in
   check_scales(s, x, want, op, name, layout.c_str());
 }
 
-// The routing, shape and tuning fields both ops' launcher arguments share.
+// The routing and shape fields every launcher's arguments share.
 template <class Args>
 void set_routing(Args& a, const MoeDims& d, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
-                 const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
-                 int64_t top_k, int64_t stages, int64_t bpc, bool split, at::Tensor& ws) {
+                 const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, int64_t top_k,
+                 at::Tensor& ws) {
   a.sorted_ids = sorted_token_ids.data_ptr<int32_t>();
   a.expert_ids = expert_ids.data_ptr<int32_t>();
   a.ntpp = num_tokens_post_padded.data_ptr<int32_t>();
   a.topk_weights = topk_weights.data_ptr<float>();
-  a.out = out.data_ptr();
   a.M = d.M;
   a.K = d.K;
   a.I = d.I;
   a.E = d.E;
   a.L = d.L;
   a.top_k = (int)top_k;
+  a.workspace = ws.data_ptr();
+}
+
+// ... and the forward ops' output and tuning fields.
+template <class Args>
+void set_forward(Args& a, at::Tensor& out, int64_t stages, int64_t bpc, bool split) {
+  a.out = out.data_ptr();
   a.stages = (int)stages;
   a.bpc = (int)bpc;
   a.split = split;
-  a.workspace = ws.data_ptr();
+}
+
+// The saved gate/up pre-activations (fused_moe_bf16's preact, fused_moe_bf16_dgrad's input).
+void check_preact(const at::Tensor& preact, const at::Tensor& x, const MoeDims& d, const char* op) {
+  PK_CHECK(d.I % 64 == 0, op, ": preact needs I = w.size(1)/2 to be a multiple of 64 (the backward's 64-feature ",
+           "groups), got ", d.I);
+  check_cuda_contig(preact, op, "preact");
+  check_same_device(preact, x, op, "preact");
+  check_dtype(preact, at::kBFloat16, op, "preact");
+  const int64_t want = flash_moe::preact_bytes(d.L, d.I) / 2;
+  PK_CHECK(preact.numel() == want, op, ": preact must hold 2 * len(sorted_token_ids) * I = ", want,
+           " bf16 values, got ", preact.numel(), " (shape ", preact.sizes(), ")");
+  check_aligned16(preact, op, "preact");
 }
 
 }  // namespace
@@ -213,7 +232,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                     const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
-                    int64_t cpc, bool split) {
+                    int64_t cpc, bool split, const std::optional<at::Tensor>& preact) {
   const char* op = "fused_moe_bf16";
   PK_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
            flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
@@ -231,10 +250,53 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   a.x = x.data_ptr();
   a.w = w.data_ptr();
   a.w2 = w2.data_ptr();
-  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, bpc,
-              split, ws);
+  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, ws);
+  set_forward(a, out, stages, bpc, split);
+  if (preact) {
+    check_preact(*preact, x, d, op);
+    a.preact = preact->data_ptr();
+  }
   const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
+    const at::Tensor& grad_out, const at::Tensor& w, const at::Tensor& w2, const at::Tensor& preact,
+    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+    const at::Tensor& topk_weights, int64_t top_k) {
+  const char* op = "fused_moe_bf16_dgrad";
+  check_dtype(grad_out, at::kBFloat16, op, "grad_out");  // first: the shared rules check it as `out` too
+  const MoeDims d = check_moe_inputs(op, grad_out, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                     topk_weights, grad_out, top_k, flash_moe::kBlockM, flash_moe::kBlockN,
+                                     flash_moe::kWarpN, 1, 1, "grad_out");
+  check_dtype(w, at::kBFloat16, op, "w");
+  check_dtype(w2, at::kBFloat16, op, "w2");
+  check_preact(preact, grad_out, d, op);
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  auto opt = grad_out.options();
+  // dA|dB and s*h are zero where no tile writes (padding rows): the grouped-GEMM wgrads read
+  // every row of an expert's padded run.
+  at::Tensor grad_x = at::empty({d.M, d.K}, opt);
+  at::Tensor dab = at::zeros({d.L, 2 * d.I}, opt);
+  at::Tensor sh = at::zeros({d.L, d.I}, opt);
+  at::Tensor score = at::empty({d.M, top_k}, opt.dtype(at::kFloat));
+  if (d.M == 0) return {grad_x, dab, sh, score};
+  at::Tensor ws =
+      at::empty({(int64_t)flash_moe::fused_moe_bf16_dgrad_workspace_bytes(d.M, d.K, d.I, d.L, (int)top_k)},
+                opt.dtype(at::kByte));
+  flash_moe::FusedMoeBf16DgradArgs a{};
+  a.grad_out = grad_out.data_ptr();
+  a.w = w.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.preact = preact.data_ptr();
+  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, ws);
+  a.grad_x = grad_x.data_ptr();
+  a.dab = dab.data_ptr();
+  a.sh = sh.data_ptr();
+  a.score = score.data_ptr<float>();
+  const cudaError_t err = flash_moe::fused_moe_bf16_dgrad(a, at::cuda::getCurrentCUDAStream());
+  PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  return {grad_x, dab, sh, score};
 }
 
 void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
@@ -274,8 +336,8 @@ void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::
   a.w_scales = static_cast<const uint8_t*>(w_scales.data_ptr());
   a.w2 = w2.data_ptr();
   a.w2_scales = static_cast<const uint8_t*>(w2_scales.data_ptr());
-  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, stages, bpc,
-              split, ws);
+  set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, ws);
+  set_forward(a, out, stages, bpc, split);
   // Test and debug switch: FLASH_MOE_MXFP8_GENERAL=1 disables the f16 scale-window gate/up GEMM
   // (same output bits, slower; see the op's docstring).
   const char* general = std::getenv("FLASH_MOE_MXFP8_GENERAL");
@@ -347,9 +409,15 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
       "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, int block_n, "
-      "int warp_n, int stages, int bpc, int cpc, bool split) -> ()");
+      "int warp_n, int stages, int bpc, int cpc, bool split, Tensor(b!)? preact=None) -> ()");
   ops.impl("fused_moe_bf16", torch::kCUDA, &fused_moe_bf16);
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
+  ops.def(
+      "fused_moe_bf16_dgrad(Tensor grad_out, Tensor w, Tensor w2, Tensor preact, Tensor sorted_token_ids, "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k) -> "
+      "(Tensor, Tensor, Tensor, Tensor)");
+  ops.impl("fused_moe_bf16_dgrad", torch::kCUDA, &fused_moe_bf16_dgrad);
+  ops.impl("fused_moe_bf16_dgrad", torch::kCPU, &fused_moe_bf16_dgrad);
   ops.def(
       "fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
       "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "

@@ -6,6 +6,8 @@ Public surface (docs/DESIGN.md §5):
   num_tokens_post_padded), on the GPU, no host synchronisation.
 - ``fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
   out, top_k, ...)`` -> out (written in place).
+- ``fused_moe_bf16_dgrad(grad_out, w, w2, preact, ...)`` -> (grad_x, dA|dB, s*h, score): the
+  backward's data gradients from the pre-activations ``fused_moe_bf16(..., preact=)`` saved.
 - ``fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
   num_tokens_post_padded, topk_weights, out, top_k, ...)`` -> out: the same MoE with MXFP8 (e4m3
   + e8m0 per 32 elements) inputs, exact MX semantics.
@@ -45,6 +47,8 @@ __all__ = [
     "MXFP8_SCALE_BLOCK",
     "moe_align",
     "fused_moe_bf16",
+    "fused_moe_bf16_dgrad",
+    "preact_numel",
     "fused_moe_mxfp8",
     "moe",
     "moe_backward",
@@ -143,6 +147,7 @@ def fused_moe_bf16(
     bpc: int | None = None,
     cpc: int = 1,
     split: bool = True,
+    preact: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused MoE forward (routed experts), bf16, Hopper.
 
@@ -176,6 +181,9 @@ def fused_moe_bf16(
         split: True -> the op overwrites `out` with the result (every row written, rows of
             tokens with no live slot get 0); False -> the op ADDS the result into `out`
             (the caller pre-zeroes it or passes e.g. a shared-expert output).
+        preact: for training, a bf16 tensor of `preact_numel(len(sorted_token_ids), I)`
+            elements the op fills with the gate/up pre-activations (in the GEMM's own order,
+            opaque) for `fused_moe_bf16_dgrad`; needs I % 64 == 0. None: not saved.
 
     Accumulation is fp32; the SwiGLU output h and each slot's weighted row are rounded to
     bf16; the top-k sum is done in fp32 in ascending k order (deterministic: bit-identical
@@ -185,9 +193,45 @@ def fused_moe_bf16(
         bpc = _default_bpc(x, w, top_k, mxfp8=False)
     ops.fused_moe_bf16(
         x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
-        int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc), bool(split),
+        int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc), bool(split), preact,
     )
     return out
+
+
+def preact_numel(sorted_len: int, hidden_dim: int) -> int:
+    """Elements (bf16) of the pre-activations `fused_moe_bf16(..., preact=)` saves: 2 * L * I."""
+    return 2 * int(sorted_len) * int(hidden_dim)
+
+
+def fused_moe_bf16_dgrad(
+    grad_out: torch.Tensor,
+    w: torch.Tensor,
+    w2: torch.Tensor,
+    preact: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    topk_weights: torch.Tensor,
+    top_k: int,
+):
+    """Data gradients of `fused_moe_bf16`, given the forward's routing buffers and `preact`.
+
+    With a = x W_gate^T, u = x W_up^T (the saved pre-activations, bf16), h = silu(a) u,
+    g = grad_out rows of each slot's token and s its router weight:
+
+    Returns:
+        grad_x: (M, K) bf16, sum over the token's slots (ascending k, fp32) of dA|dB @ W[e].
+        dab: (L, 2I) bf16 by sorted position: s * (g W2[e]) * u * silu'(a) | s * (g W2[e]) * silu(a);
+            zero at padding positions.
+        sh: (L, I) bf16 by sorted position: s * h; zero at padding positions.
+        score: (M, top_k) fp32, d out / d topk_weights = <g W2[e], h>; 0 for dropped slots.
+
+    dab and sh are the wgrads' operands: grad_w[e] = dab_e^T x_e, grad_w2[e] = g_e^T sh_e.
+    Shapes and dtypes as `fused_moe_bf16` (grad_out like x); I % 64 == 0. Deterministic (no
+    float atomics), no host synchronisation.
+    """
+    return ops.fused_moe_bf16_dgrad(grad_out, w, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                    topk_weights, int(top_k))
 
 
 def fused_moe_mxfp8(
@@ -294,8 +338,16 @@ def _moe_align_fake(topk_ids, num_experts, block_m, bpc):
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16"))
 def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
-                         top_k, block_m, block_n, warp_n, stages, bpc, cpc, split):
+                         top_k, block_m, block_n, warp_n, stages, bpc, cpc, split, preact=None):
     return None
+
+
+@torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_dgrad"))
+def _fused_moe_bf16_dgrad_fake(grad_out, w, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                               topk_weights, top_k):
+    L, I = sorted_token_ids.shape[0], w.shape[1] // 2
+    return (grad_out.new_empty(grad_out.shape), grad_out.new_empty((L, 2 * I)), grad_out.new_empty((L, I)),
+            grad_out.new_empty(topk_weights.shape, dtype=torch.float32))
 
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_mxfp8"))

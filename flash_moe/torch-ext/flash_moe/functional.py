@@ -6,10 +6,12 @@ topk_weights, each in its input's dtype, deterministic (no float atomics: every 
 order), no host synchronisation. The MXFP8 forward's backward is the bf16 one on the original
 inputs (straight-through), as prime-rl's layer does.
 
-The backward here is composed from grouped GEMMs (`torch._grouped_mm`) over moe_align's padded
-layout, with the gate/up pre-activations recomputed; the top-k sums are gathers in ascending k,
-not scatters. It is the correct, deterministic baseline that the fused Hopper backward kernels
-replace (flash_moe/DESIGN.md §8).
+Two backwards, one per shape class:
+- `fused_backward` (I % 64 == 0, every shape of DESIGN): the bf16 forward saves the gate/up
+  pre-activations (2 * L * I bf16, `preact`) and `fused_moe_bf16_dgrad` turns grad_out into
+  grad_x, dA|dB, s*h and the score gradient in two fused GEMMs; the wgrads are grouped GEMMs.
+- `moe_backward` (any shape): composed from grouped GEMMs over moe_align's padded layout, the
+  pre-activations recomputed; the reference the fused path is tested beside.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fused_moe_bf16, fused_moe_mxfp8, moe_align, quantize_mxfp8
+from . import fused_moe_bf16, fused_moe_bf16_dgrad, fused_moe_mxfp8, moe_align, preact_numel, quantize_mxfp8
 
 
 def _routing(topk_ids: torch.Tensor, num_experts: int):
@@ -31,13 +33,7 @@ def _routing(topk_ids: torch.Tensor, num_experts: int):
     live = (sorted_ids >= 0) & (sorted_ids < n_slots) & (positions < ntpp)
     slot = torch.where(live, sorted_ids, torch.zeros_like(sorted_ids)).long()
     token = slot // top_k
-    # Group ends: expert e's run is the blocks whose expert id is e, in expert order.
-    block = expert_ids.long()
-    # scatter_add, not bincount: bincount sizes its output on the host (a sync).
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=block.device)
-    counts.scatter_add_(0, torch.where(block >= 0, block, num_experts), torch.ones_like(block, dtype=torch.int32))
-    block_m = L // block.numel()  # moe_align's block
-    offs = (torch.cumsum(counts[:num_experts], 0) * block_m).to(torch.int32)
+    offs = _group_ends(expert_ids, num_experts, L)
     inv = torch.full((n_slots + 1,), L, dtype=torch.long, device=slot.device)
     inv.scatter_(0, torch.where(live, slot, n_slots), positions.long())  # padding all lands on the spare entry
     return sorted_ids, expert_ids, ntpp, live, token, slot, offs, inv[:n_slots]
@@ -93,10 +89,15 @@ def moe_backward(grad_out, x, w1, w2, w3, topk_ids, topk_weights, needs_input_gr
     return tuple(None if g is None else g.to(t.dtype).contiguous() for g, t in zip(grads, inputs))
 
 
-def _forward(x, w1, w2, w3, topk_ids, topk_weights, mxfp8):
-    E = w1.shape[0]
-    top_k = topk_ids.shape[1]
-    sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), E)
+def _fused_backward_serves(hidden_dim: int) -> bool:
+    """fused_moe_bf16_dgrad's rule: I a multiple of 64 (else the composed `moe_backward`)."""
+    return hidden_dim % 64 == 0
+
+
+def _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact=None):
+    """The fused forward on moe_align's `routing`; with `preact`, also the pre-activations
+    (bf16 only: the MXFP8 op does not save them)."""
+    sorted_ids, expert_ids, ntpp, top_k = routing
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     weights = topk_weights.to(torch.float32).contiguous()
     if mxfp8:
@@ -107,23 +108,90 @@ def _forward(x, w1, w2, w3, topk_ids, topk_weights, mxfp8):
     else:
         w = torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous()
         fused_moe_bf16(x.to(torch.bfloat16).contiguous(), w, w2.to(torch.bfloat16).contiguous(), sorted_ids,
-                       expert_ids, ntpp, weights, out, top_k)
+                       expert_ids, ntpp, weights, out, top_k, preact=preact)
     return out.to(x.dtype)
+
+
+def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> torch.Tensor:
+    """torch._grouped_mm's offsets over moe_align's layout: expert e's rows (its blocks, in expert
+    order) end at offs[e]."""
+    block = expert_ids.long()
+    # scatter_add, not bincount: bincount sizes its output on the host (a sync).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=block.device)
+    counts.scatter_add_(0, torch.where(block >= 0, block, num_experts), torch.ones_like(block, dtype=torch.int32))
+    return (torch.cumsum(counts[:num_experts], 0) * (sorted_len // block.numel())).to(torch.int32)
+
+
+def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5):
+    """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
+    the score gradient from the saved pre-activations), then the two wgrads as grouped GEMMs over
+    each expert's rows (torch._grouped_mm on gathered token rows, for now). Same contract as
+    `moe_backward`."""
+    sorted_ids, expert_ids, ntpp, top_k = routing
+    E, I, K = w1.shape
+    bf = torch.bfloat16
+    w = torch.cat([w1, w3], dim=1).to(bf).contiguous()
+    g = grad_out.to(bf).contiguous()
+    gx, dab, sh, score = fused_moe_bf16_dgrad(g, w, w2.to(bf).contiguous(), preact, sorted_ids, expert_ids, ntpp,
+                                              topk_weights.to(torch.float32).contiguous(), top_k)
+    grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
+    if any(needs_input_grad[1:4]):
+        M, L, n_slots = x.shape[0], sorted_ids.numel(), topk_weights.numel()
+        positions = torch.arange(L, device=sorted_ids.device, dtype=torch.int32)
+        live = (sorted_ids >= 0) & (sorted_ids < n_slots) & (positions < ntpp)
+        row = torch.where(live, sorted_ids.long() // top_k, M)  # padding reads the zero row M
+        offs = _group_ends(expert_ids, E, L)
+
+        def by_position(t):  # (L, K) token rows by sorted position, zero at padding positions
+            return torch.cat([t.to(bf), t.new_zeros(1, K, dtype=bf)])[row]
+
+        if needs_input_grad[1] or needs_input_grad[3]:
+            xs = by_position(x)
+            if needs_input_grad[1]:
+                grads[1] = torch._grouped_mm(dab[:, :I].t(), xs, offs=offs)  # (E, I, K)
+            if needs_input_grad[3]:
+                grads[3] = torch._grouped_mm(dab[:, I:].t(), xs, offs=offs)
+            del xs
+        if needs_input_grad[2]:
+            grads[2] = torch._grouped_mm(by_position(g).t(), sh, offs=offs)  # (E, K, I)
+    inputs = (x, w1, w2, w3, topk_weights)
+    return tuple(None if t is None else t.to(i.dtype).contiguous() for t, i in zip(grads, inputs))
 
 
 class _MoE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, mxfp8):
-        ctx.save_for_backward(x, w1, w2, w3, topk_ids, topk_weights)
-        return _forward(x, w1, w2, w3, topk_ids, topk_weights, mxfp8)
+    def forward(ctx, x, w1, w2, w3, topk_ids, topk_weights, mxfp8, training):
+        E, I, _ = w1.shape
+        top_k = topk_ids.shape[1]
+        sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), E)
+        routing = (sorted_ids, expert_ids, ntpp, top_k)
+        fused = training and _fused_backward_serves(I)
+        # The bf16 forward saves the pre-activations for the fused backward as it runs; the MXFP8
+        # forward's backward (straight-through, bf16) recomputes them with the bf16 forward.
+        preact = None
+        if fused and not mxfp8:
+            preact = torch.empty(preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device=x.device)
+        out = _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact)
+        ctx.fused, ctx.mxfp8, ctx.top_k = fused, mxfp8, top_k
+        ctx.save_for_backward(x, w1, w2, w3, topk_ids, topk_weights, sorted_ids, expert_ids, ntpp, preact)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, w1, w2, w3, topk_ids, topk_weights = ctx.saved_tensors
+        x, w1, w2, w3, topk_ids, topk_weights, sorted_ids, expert_ids, ntpp, preact = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
-        gx, gw1, gw2, gw3, gs = moe_backward(grad_out.contiguous(), x, w1, w2, w3, topk_ids, topk_weights, needs)
-        return gx, gw1, gw2, gw3, None, gs, None
+        if ctx.fused:
+            routing = (sorted_ids, expert_ids, ntpp, ctx.top_k)
+            if preact is None:  # the MXFP8 forward: the bf16 forward's pre-activations
+                preact = torch.empty(preact_numel(sorted_ids.numel(), w1.shape[1]), dtype=torch.bfloat16,
+                                     device=x.device)
+                _forward(x, w1, w2, w3, topk_weights, routing, False, preact)
+            grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs)
+        else:
+            grads = moe_backward(grad_out.contiguous(), x, w1, w2, w3, topk_ids, topk_weights, needs)
+        gx, gw1, gw2, gw3, gs = grads
+        return gx, gw1, gw2, gw3, None, gs, None, None
 
 
 def moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8: bool = False):
@@ -144,4 +212,6 @@ def moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8: bool = False):
     Shapes must satisfy `unsupported_shape_reason(K, I, mxfp8=mxfp8)`. Deterministic: the same
     inputs give bit-identical outputs and gradients.
     """
-    return _MoE.apply(x, w1, w2, w3, topk_ids, topk_weights, bool(mxfp8))
+    # Grad mode is off inside Function.forward: whether a backward will follow is decided here.
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2, w3, topk_weights))
+    return _MoE.apply(x, w1, w2, w3, topk_ids, topk_weights, bool(mxfp8), training)

@@ -138,13 +138,110 @@ def _fused_moe_blocks(xf, expert_weights, num_experts, sorted_token_ids, expert_
 
 
 def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k,
-                   block_m: int = BLOCK_M, split: bool = True):
+                   block_m: int = BLOCK_M, split: bool = True, preact=None):
     """Reference of `flash_moe.fused_moe_bf16` (fp32 accumulation, bf16 h, bf16 per-slot rows).
 
     Writes `out` in place and returns it: split=True overwrites out, split=False adds into it.
+    preact: filled with `pack_preact` of the bf16 pre-activations by sorted position (zero at
+    padding positions).
     """
+    if preact is not None:
+        a, u = _preactivations(x, w, sorted_token_ids, num_tokens_post_padded, expert_ids, top_k, block_m)
+        preact.copy_(pack_preact(a.bfloat16(), u.bfloat16()))
     return _fused_moe_blocks(x.float(), lambda e: (w[e].float(), w2[e].float()), w.shape[0], sorted_token_ids,
                              expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m, split)
+
+
+# ---------------------------------------------------------------- the backward's data gradients
+
+def _preact_index(L: int, I: int, device=None) -> torch.Tensor:
+    """(2, L, I) int64: where (gate | up, position p, feature f) lives in the flat preact.
+
+    The kernel's fragment order (flash_moe/DESIGN.md §8): 16-byte chunk
+    c = ((f // 64 * L/8 + p // 8) * 4 + w4) * 32 + lane with r = f % 64, w4 = r // 16,
+    lane = 4 * (r % 8) + (p % 8) // 2; in it, gate at 2h + e and up at 4 + 2h + e, with
+    h = (r % 16) // 8, e = p % 2.
+    """
+    p = torch.arange(L, device=device).view(L, 1)
+    f = torch.arange(I, device=device).view(1, I)
+    r = f % 64
+    chunk = ((f // 64 * (L // 8) + p // 8) * 4 + r // 16) * 32 + 4 * (r % 8) + (p % 8) // 2
+    elem = 2 * ((r % 16) // 8) + p % 2
+    return torch.stack([8 * chunk + elem, 8 * chunk + 4 + elem])
+
+
+def pack_preact(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The flat preact (2 * L * I,) of gate and up pre-activations a, u (L, I) by sorted position."""
+    L, I = a.shape
+    out = a.new_zeros(2 * L * I)
+    out[_preact_index(L, I, a.device).reshape(-1)] = torch.stack([a, u]).reshape(-1)
+    return out
+
+
+def unpack_preact(preact: torch.Tensor, L: int, I: int):
+    """(a, u), each (L, I): the inverse of `pack_preact`."""
+    both = preact[_preact_index(L, I, preact.device)]
+    return both[0], both[1]
+
+
+def _live_positions(sorted_token_ids, num_tokens_post_padded, n_slots):
+    L = sorted_token_ids.numel()
+    pos = torch.arange(L, device=sorted_token_ids.device)
+    used = int(num_tokens_post_padded.reshape(-1)[0])
+    return (sorted_token_ids >= 0) & (sorted_token_ids < n_slots) & (pos < used)
+
+
+def _preactivations(x, w, sorted_token_ids, num_tokens_post_padded, expert_ids, top_k, block_m):
+    """fp32 gate and up pre-activations (L, I) by sorted position (zero at padding positions)."""
+    L, (E, N, _) = sorted_token_ids.numel(), w.shape
+    I = N // 2
+    live = _live_positions(sorted_token_ids, num_tokens_post_padded, x.shape[0] * top_k)
+    expert = expert_ids.to(torch.int64).repeat_interleave(block_m)[:L]
+    a = torch.zeros(L, I, device=x.device)
+    u = torch.zeros(L, I, device=x.device)
+    for e in range(E):
+        p = torch.nonzero(live & (expert == e)).flatten()
+        if p.numel():
+            xe = x[sorted_token_ids[p].long() // top_k].float()
+            a[p], u[p] = xe @ w[e, :I].float().T, xe @ w[e, I:].float().T
+    return a, u
+
+
+def fused_moe_bf16_dgrad(grad_out, w, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                         topk_weights, top_k, block_m: int = BLOCK_M):
+    """Reference of `flash_moe.fused_moe_bf16_dgrad`, in fp32 from the bf16 pre-activations:
+    per live position p (slot s, token t, expert e, router weight r), with a, u from preact,
+    h = silu(a) u and dh = grad_out[t] @ w2[e]: dA|dB[p] = r dh (u silu'(a) | silu(a)) and
+    sh[p] = r h (bf16, zero at padding positions), score[s] = dh . h (fp32, 0 if dropped), and
+    grad_x[t] = sum over k ascending of the bf16 rows dA|dB[p] @ w[e] (fp32 sum, bf16 result)."""
+    M, K = grad_out.shape
+    E, N, _ = w.shape
+    I, L = N // 2, sorted_token_ids.numel()
+    n_slots = M * top_k
+    a, u = (t.float() for t in unpack_preact(preact, L, I))
+    live = _live_positions(sorted_token_ids, num_tokens_post_padded, n_slots)
+    expert = expert_ids.to(torch.int64).repeat_interleave(block_m)[:L]
+    dab = torch.zeros(L, N, device=grad_out.device)
+    sh = torch.zeros(L, I, device=grad_out.device)
+    score = torch.zeros(n_slots, device=grad_out.device)
+    dx = torch.zeros(n_slots, K, device=grad_out.device)
+    wts = topk_weights.reshape(-1).float()
+    for e in range(E):
+        p = torch.nonzero(live & (expert == e)).flatten()
+        if p.numel() == 0:
+            continue
+        slot = sorted_token_ids[p].long()
+        r = wts[slot].unsqueeze(1)
+        sig = torch.sigmoid(a[p])
+        silu = a[p] * sig
+        h = silu * u[p]
+        dh = grad_out[slot // top_k].float() @ w2[e].float()
+        dab[p] = torch.cat([r * dh * u[p] * sig * (1 + a[p] * (1 - sig)), r * dh * silu], 1).bfloat16().float()
+        sh[p] = r * h
+        score[slot] = (dh * h).sum(1)
+        dx[slot] = (dab[p] @ w[e].float()).bfloat16().float()
+    grad_x = dx.view(M, top_k, K).sum(1).bfloat16()
+    return grad_x, dab.bfloat16(), sh.bfloat16(), score.view(M, top_k)
 
 
 def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,

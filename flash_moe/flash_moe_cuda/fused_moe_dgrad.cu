@@ -1,0 +1,165 @@
+// fused_moe_bf16_dgrad (Hopper, sm_90a): the data gradients of the bf16 MoE, in stream order
+// (the file of each step in brackets):
+//
+//   inverse     pos[slot] = p                                                  (routing_prep.cu)
+//   GEMM1 down dgrad (kDownDgrad): dh[p] = grad_out[tok(p)] @ W2[e], epilogue with the saved
+//               pre-activations: dA|dB[p], s*h[p], per-warp score partials  (moe_gemm_epilogue_dgrad.cuh)
+//   score       score[slot] = sum over the partials at pos(slot), in a fixed order       (here)
+//   GEMM2 gate/up dgrad (kGateUpDgrad): dx[p] = dA|dB[p] @ W[e]             (the down GEMM's roles)
+//   reduce      grad_x[t] = sum_{k ascending} dx[pos(t*top_k + k)]  in fp32            (topk_reduce.cu)
+//
+// Both GEMMs are the forward's kernel (moe_gemm.cuh) with the weights read M-major, one CTA per
+// SM, no CTA pairs. No float atomics: bit-identical results run to run.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "flash_moe.cuh"
+#include "launch.cuh"
+#include "moe_gemm.cuh"
+
+namespace flash_moe {
+namespace {
+
+using gemm::GemmParams;
+using gemm::Kind;
+
+constexpr int kDgradStages = 4;
+constexpr int kScoreThreads = 256;
+// Score partials per position: 2 consumer warpgroups x 4 warps per 256-feature n-block.
+int64_t score_parts(int64_t I) { return 8 * ((I + 255) / 256); }
+
+// The workspace: one table of 256-byte aligned regions (as workspace.cuh's for the forward).
+struct DgradWorkspace {
+  enum Region { kDx, kScorePart, kInv, kCounters, kRegions };
+  size_t offset[kRegions + 1];
+  static size_t align256(size_t v) { return (v + 255) / 256 * 256; }
+  static int64_t blocks(int64_t L) { return (L + gemm::kBM - 1) / gemm::kBM; }
+  // Two tile counters, then h_done and block_live per m-block (slot_positions writes block_live;
+  // the GEMMs' HandOff is unused here but its counters must exist).
+  static int64_t counter_ints(int64_t L) { return 2 + 2 * blocks(L); }
+  DgradWorkspace(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
+    const size_t bytes[kRegions] = {(size_t)(L * K * 2), (size_t)(score_parts(I) * L * 4), (size_t)(M * top_k * 4),
+                                    (size_t)counter_ints(L) * 4};
+    size_t at = 0;
+    for (int r = 0; r < kRegions; ++r) {
+      offset[r] = at;
+      at += align256(bytes[r]);
+    }
+    offset[kRegions] = at;
+  }
+};
+
+// score[slot] = sum over q ascending of part[q][pos(slot)]; 0 for a slot without a position.
+__global__ void __launch_bounds__(kScoreThreads) score_sum_kernel(const float* __restrict__ part,
+                                                                  const int32_t* __restrict__ inv, int64_t n_slots,
+                                                                  int64_t L, int parts, float* __restrict__ score) {
+  for (int64_t s = blockIdx.x * (int64_t)kScoreThreads + threadIdx.x; s < n_slots;
+       s += (int64_t)gridDim.x * kScoreThreads) {
+    const int pos = inv[s];
+    float acc = 0.f;
+    if (pos >= 0)
+      for (int q = 0; q < parts; ++q) acc += part[q * L + pos];
+    score[s] = acc;
+  }
+}
+
+// The fields both GEMMs share.
+GemmParams base_params(const FusedMoeBf16DgradArgs& a, int32_t* counters) {
+  GemmParams p{};
+  p.sorted_ids = a.sorted_ids;
+  p.expert_ids = a.expert_ids;
+  p.ntpp = a.ntpp;
+  p.L = (int)a.L;
+  p.n_slots = (int)(a.M * a.top_k);
+  p.top_k = a.top_k;
+  p.E = (int)a.E;
+  p.h_done = counters + 2;  // never awaited: h_done_target stays 0
+  return p;
+}
+
+}  // namespace
+
+size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
+  return DgradWorkspace(M, K, I, L, top_k).offset[DgradWorkspace::kRegions];
+}
+
+cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t stream) {
+  if (a.I % 64 != 0) return cudaErrorInvalidValue;
+  if (a.M == 0) return cudaSuccess;
+  using R = DgradWorkspace;
+  const R layout(a.M, a.K, a.I, a.L, a.top_k);
+  uint8_t* const b = static_cast<uint8_t*>(a.workspace);
+  auto* dx = reinterpret_cast<__nv_bfloat16*>(b + layout.offset[R::kDx]);
+  auto* part = reinterpret_cast<float*>(b + layout.offset[R::kScorePart]);
+  auto* inv = reinterpret_cast<int32_t*>(b + layout.offset[R::kInv]);
+  auto* counters = reinterpret_cast<int32_t*>(b + layout.offset[R::kCounters]);
+  const int64_t n_slots = a.M * a.top_k;
+  cudaError_t err = cudaMemsetAsync(inv, 0xFF, (size_t)n_slots * 4, stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(counters, 0, (size_t)R::counter_ints(a.L) * 4, stream);
+  if (err == cudaSuccess)
+    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, inv, counters + 2 + R::blocks(a.L),
+                         stream);
+  if (err != cudaSuccess) return err;
+
+  if (a.L > 0) {
+    using host::make_tmap;
+    constexpr auto kW = gemm::Weights::kBf16;
+    const int smem = gemm::StagePlan<kW, kDgradStages>::kLaunchBytes;
+    const uint32_t kRowsBox = gemm::kStoreRows, kMnBox = 64;
+    // GEMM1: grad_out rows gathered (no token maps), w2 M-major; dA|dB and s*h out.
+    gemm::Bf16Maps down{};
+    if (!make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false, kMnBox) ||
+        !make_tmap(&down.out, host::out_rows(a.dab, a.L, 2 * a.I), false, host::kStoreBoxRows) ||
+        !make_tmap(&down.out_rows, host::out_rows(a.dab, a.L, 2 * a.I), false, kRowsBox) ||
+        !make_tmap(&down.out2, host::out_rows(a.sh, a.L, a.I), false, host::kStoreBoxRows) ||
+        !make_tmap(&down.out2_rows, host::out_rows(a.sh, a.L, a.I), false, kRowsBox))
+      return cudaErrorInvalidValue;
+    GemmParams p1 = base_params(a, counters);
+    p1.out = static_cast<__nv_bfloat16*>(a.dab);
+    p1.ldo = 2 * a.I;
+    p1.K = (int)a.K;
+    p1.n_out = (int)a.I;
+    p1.num_n = (int)((a.I + 255) / 256);
+    p1.tile_counter = counters;
+    p1.gate_up.x = static_cast<const __nv_bfloat16*>(a.grad_out);
+    p1.gate_up.lda = a.K;
+    p1.gate_up.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
+    p1.down.topk_weights = a.topk_weights;
+    p1.dgrad = {static_cast<__nv_bfloat16*>(a.sh), a.I, part, (int)a.I};
+    err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
+                                  false, stream);
+    if (err != cudaSuccess) return err;
+    const int grid = (int)((n_slots + kScoreThreads - 1) / kScoreThreads < 4 * sm_count()
+                               ? (n_slots + kScoreThreads - 1) / kScoreThreads
+                               : 4 * sm_count());
+    score_sum_kernel<<<grid, kScoreThreads, 0, stream>>>(part, inv, n_slots, a.L, (int)score_parts(a.I), a.score);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+
+    // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
+    gemm::Bf16Maps gate_up{};
+    if (!make_tmap(&gate_up.tokens, host::h_rows(a.dab, a.L, 2 * a.I), false) ||
+        !make_tmap(&gate_up.tokens_tail, host::h_rows(a.dab, a.L, 2 * a.I), false, gemm::kMaxRows - gemm::kBM) ||
+        !make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 2), false, kMnBox) ||
+        !make_tmap(&gate_up.out, host::out_rows(dx, a.L, a.K), false, host::kStoreBoxRows) ||
+        !make_tmap(&gate_up.out_rows, host::out_rows(dx, a.L, a.K), false, kRowsBox))
+      return cudaErrorInvalidValue;
+    GemmParams p2 = base_params(a, counters);
+    p2.out = dx;
+    p2.ldo = a.K;
+    p2.K = (int)(2 * a.I);
+    p2.n_out = (int)a.K;
+    p2.num_n = (int)((a.K + 255) / 256);
+    p2.tile_counter = counters + 1;
+    p2.down = {nullptr, 0};
+    err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem, gate_up, p2,
+                                  false, false, stream);
+    if (err != cudaSuccess) return err;
+  } else {
+    cudaError_t e = cudaMemsetAsync(a.score, 0, (size_t)n_slots * 4, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return topk_sum(dx, inv, a.grad_x, a.M, a.K, a.top_k, true, stream);
+}
+
+}  // namespace flash_moe

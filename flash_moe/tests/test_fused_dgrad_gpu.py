@@ -1,0 +1,154 @@
+"""GPU tests of `fused_moe_bf16_dgrad` (the fused backward's data gradients) and the
+pre-activations `fused_moe_bf16(..., preact=)` saves for it: every output by sorted position
+against fp64 truth, dropped slots and padding rows, bit-identical repeats, graph capture, and the
+input rules. (The gradients of `moe` through this path are tested in test_moe_backward_gpu.py.)"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def _setup(kernel, M, K, I, E, top_k, seed, drop=0.0, bpc=1):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(E, 2 * I, K, generator=g, device="cuda") / K ** 0.5).bfloat16()
+    w2 = (torch.randn(E, K, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:top_k] for _ in range(M)]).int()
+    if drop:
+        ids = torch.where(torch.rand(M, top_k, generator=g, device="cuda") < drop, torch.full_like(ids, -1), ids)
+    wts = torch.rand(M, top_k, generator=g, device="cuda")
+    grad_out = torch.randn(M, K, generator=g, device="cuda").bfloat16()
+    sorted_ids, expert_ids, ntpp = kernel.moe_align(ids, E)
+    preact = torch.full((kernel.preact_numel(sorted_ids.numel(), I),), float("nan"), dtype=torch.bfloat16,
+                        device="cuda")
+    out = torch.empty(M, K, dtype=torch.bfloat16, device="cuda")
+    kernel.fused_moe_bf16(x, w, w2, sorted_ids, expert_ids, ntpp, wts, out, top_k, bpc=bpc, preact=preact)
+    return x, w, w2, ids, wts, grad_out, (sorted_ids, expert_ids, ntpp), preact
+
+
+def _truth(x, w, w2, ids, wts, grad_out, routing, top_k):
+    """fp64: per sorted position p (slot s, token t, expert e, weight r): dA|dB, s*h, and per slot
+    the score gradient; grad_x per token."""
+    sorted_ids, expert_ids, ntpp = routing
+    M, K = x.shape
+    E, I2, _ = w.shape
+    I = I2 // 2
+    L = sorted_ids.numel()
+    n_slots = ids.numel()
+    pos = torch.arange(L, device="cuda")
+    live = (sorted_ids >= 0) & (sorted_ids < n_slots) & (pos < ntpp)
+    exp = expert_ids.long().repeat_interleave(128)[:L]
+    dab = torch.zeros(L, 2 * I, dtype=torch.float64, device="cuda")
+    sh = torch.zeros(L, I, dtype=torch.float64, device="cuda")
+    score = torch.zeros(n_slots, dtype=torch.float64, device="cuda")
+    gx = torch.zeros(M, K, dtype=torch.float64, device="cuda")
+    for e in range(E):
+        p = torch.nonzero(live & (exp == e)).flatten()
+        if p.numel() == 0:
+            continue
+        slot = sorted_ids[p].long()
+        t = slot // top_k
+        r = wts.reshape(-1)[slot].double().unsqueeze(1)
+        xe, ge = x[t].double(), grad_out[t].double()
+        a = xe @ w[e, :I].double().t()
+        u = xe @ w[e, I:].double().t()
+        sig = torch.sigmoid(a)
+        h = a * sig * u
+        dh = ge @ w2[e].double()
+        da = r * dh * u * sig * (1 + a * (1 - sig))
+        db = r * dh * a * sig
+        dab[p] = torch.cat([da, db], 1)
+        sh[p] = r * h
+        score[slot] = (dh * h).sum(1)
+        gx.index_add_(0, t, torch.cat([da, db], 1) @ w[e].double())
+    return gx, dab, sh, score.reshape(ids.shape), live
+
+
+CASES = [
+    # M, K, I, E, top_k, drop, bpc
+    (300, 512, 256, 8, 2, 0.0, 1),
+    (257, 320, 192, 6, 2, 0.2, 1),  # I % 256 != 0 (a half-empty n-block), K % 256 != 0, -1 ids
+    (500, 1024, 768, 16, 4, 0.0, 2),  # preact saved by the CTA-pair forward
+    (1, 256, 128, 4, 1, 0.0, 1),  # M = 1, top_k = 1
+]
+
+
+@pytest.mark.parametrize("M,K,I,E,top_k,drop,bpc", CASES)
+def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc):
+    x, w, w2, ids, wts, g, routing, preact = _setup(kernel, M, K, I, E, top_k, seed=M + K, drop=drop, bpc=bpc)
+    gx, dab, sh, score = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, top_k)
+    t_gx, t_dab, t_sh, t_score, live = _truth(x, w, w2, ids, wts, g, routing, top_k)
+    assert gx.dtype == torch.bfloat16 and gx.shape == x.shape
+    assert dab.shape == t_dab.shape and sh.shape == t_sh.shape and score.shape == ids.shape
+    for name, got, want in (("grad_x", gx, t_gx), ("dab", dab, t_dab), ("sh", sh, t_sh), ("score", score, t_score)):
+        assert torch.isfinite(got).all(), name
+        assert _rel(got, want) < 2e-2, (name, _rel(got, want))
+    assert torch.equal(dab[~live], torch.zeros_like(dab[~live]))  # padding rows stay zero
+    assert torch.equal(sh[~live], torch.zeros_like(sh[~live]))
+    dropped = ids < 0
+    assert torch.equal(score[dropped], torch.zeros_like(score[dropped]))
+
+
+def test_dgrad_bit_identical_repeats_and_bpc(kernel):
+    args = _setup(kernel, 2048, 2048, 768, 64, 8, seed=7)
+    x, w, w2, ids, wts, g, routing, preact = args
+    first = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 8)
+    for _ in range(3):
+        for a, b in zip(kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 8), first):
+            assert torch.equal(a, b)
+    # the CTA-pair forward saves the same pre-activations (NaN where neither writes: the fill)
+    preact2 = _setup(kernel, 2048, 2048, 768, 64, 8, seed=7, bpc=2)[-1]
+    torch.testing.assert_close(preact2, preact, rtol=0, atol=0, equal_nan=True)
+
+
+def test_dgrad_graph_capture_replays_eager(kernel):
+    x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 1024, 1024, 512, 32, 4, seed=5)
+    eager = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 4)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 4)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 4)
+    for t in captured:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+
+
+def test_dgrad_bad_inputs_name_the_argument(kernel):
+    x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 64, 256, 128, 4, 2, seed=1)
+    with pytest.raises(RuntimeError, match="preact must hold"):
+        kernel.fused_moe_bf16_dgrad(g, w, w2, preact[:-8], *routing, wts, 2)
+    with pytest.raises(RuntimeError, match="grad_out must have dtype"):
+        kernel.fused_moe_bf16_dgrad(g.float(), w, w2, preact, *routing, wts, 2)
+    with pytest.raises(RuntimeError, match=r"w.size\(2\) must equal grad_out.size\(1\)"):
+        kernel.fused_moe_bf16_dgrad(g[:, :128].contiguous(), w, w2, preact, *routing, wts, 2)
+    # I = 96: no 64-feature groups; the forward refuses to save for it
+    w96, w2_96 = w[:, :192].contiguous(), w2[:, :, :96].contiguous()
+    out = torch.empty_like(x)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernel.fused_moe_bf16(x, w96, w2_96, *routing, wts, out, 2, preact=preact)
+
+
+def test_saved_preact_is_the_reference_layout(kernel, reference):
+    """The kernel's preact, unpacked with the reference's layout, is x W_gate^T | x W_up^T by
+    sorted position (fp32-accumulated, bf16-rounded: within a bf16 rounding of the reference)."""
+    M, K, I, E, top_k = 300, 512, 192, 8, 2
+    x, w, w2, ids, wts, g, routing, preact = _setup(kernel, M, K, I, E, top_k, seed=3)
+    want = torch.zeros_like(preact)
+    reference.fused_moe_bf16(x, w, w2, *routing, wts, torch.empty_like(x), top_k, preact=want)
+    L = routing[0].numel()
+    live = reference._live_positions(routing[0], routing[2], M * top_k)
+    for got_t, want_t in zip(reference.unpack_preact(preact, L, I), reference.unpack_preact(want, L, I)):
+        torch.testing.assert_close(got_t[live].float(), want_t[live].float(), rtol=1.6e-2, atol=1e-3)
