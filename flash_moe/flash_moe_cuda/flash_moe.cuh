@@ -96,7 +96,8 @@ constexpr int64_t preact_bytes(int64_t L, int64_t I) { return 2 * L * I * 2; }
 // of those slots. I must be a multiple of 64. No atomics on floats: bit-identical run to run.
 struct FusedMoeBf16DgradArgs {
   const void* grad_out;       // (M, K) bf16
-  const void* w;              // (E, 2I, K) bf16
+  const void* w1;             // (E, I, K) bf16 gate rows
+  const void* w3;             // (E, I, K) bf16 up rows (two tensors: no (E, 2I, K) copy needed)
   const void* w2;             // (E, K, I) bf16
   const void* preact;         // fused_moe_bf16's preact
   const int32_t* sorted_ids;  // the forward's routing buffers

@@ -5,7 +5,7 @@
 //   GEMM1 down dgrad (kDownDgrad): dh[p] = grad_out[tok(p)] @ W2[e], epilogue with the saved
 //               pre-activations: dA|dB[p], s*h[p], per-warp score partials  (moe_gemm_epilogue_dgrad.cuh)
 //   score       score[slot] = sum over the partials at pos(slot), in a fixed order       (here)
-//   GEMM2 gate/up dgrad (kGateUpDgrad): dx[p] = dA|dB[p] @ W[e]             (the down GEMM's roles)
+//   GEMM2 gate/up dgrad (kGateUpDgrad): dx[p] = dA[p] @ W1[e] + dB[p] @ W3[e] (the down GEMM's roles)
 //   reduce      grad_x[t] = sum_{k ascending} dx[pos(t*top_k + k)]  in fp32            (topk_reduce.cu)
 //
 // Both GEMMs are the forward's kernel (moe_gemm.cuh) with the weights read M-major, one CTA per
@@ -26,8 +26,9 @@ using gemm::Kind;
 
 constexpr int kDgradStages = 4;
 constexpr int kScoreThreads = 256;
-// Score partials per position: 2 consumer warpgroups x 4 warps per 256-feature n-block.
-int64_t score_parts(int64_t I) { return 8 * ((I + 255) / 256); }
+// Score partials per position: 2 consumer warpgroups x 2 blocks x 4 warps per 256-feature
+// n-block.
+int64_t score_parts(int64_t I) { return 16 * ((I + 255) / 256); }
 
 // The workspace: one table of 256-byte aligned regions (as workspace.cuh's for the forward).
 struct DgradWorkspace {
@@ -133,14 +134,17 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     const int grid = (int)((n_slots + kScoreThreads - 1) / kScoreThreads < 4 * sm_count()
                                ? (n_slots + kScoreThreads - 1) / kScoreThreads
                                : 4 * sm_count());
-    score_sum_kernel<<<grid, kScoreThreads, 0, stream>>>(part, inv, n_slots, a.L, (int)score_parts(a.I), a.score);
+    // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
+    // written, and the sum stops before them.
+    score_sum_kernel<<<grid, kScoreThreads, 0, stream>>>(part, inv, n_slots, a.L, (int)(a.I / 16), a.score);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
     gemm::Bf16Maps gate_up{};
     if (!make_tmap(&gate_up.tokens, host::h_rows(a.dab, a.L, 2 * a.I), false) ||
         !make_tmap(&gate_up.tokens_tail, host::h_rows(a.dab, a.L, 2 * a.I), false, gemm::kMaxRows - gemm::kBM) ||
-        !make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 2), false, kMnBox) ||
+        !make_tmap(&gate_up.weights, host::expert_rows(a.w1, a.E, a.I, a.K), false, kMnBox) ||
+        !make_tmap(&gate_up.weights2, host::expert_rows(a.w3, a.E, a.I, a.K), false, kMnBox) ||
         !make_tmap(&gate_up.out, host::out_rows(dx, a.L, a.K), false, host::kStoreBoxRows) ||
         !make_tmap(&gate_up.out_rows, host::out_rows(dx, a.L, a.K), false, kRowsBox))
       return cudaErrorInvalidValue;
@@ -151,6 +155,7 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     p2.n_out = (int)a.K;
     p2.num_n = (int)((a.K + 255) / 256);
     p2.tile_counter = counters + 1;
+    p2.b_second = (int)a.I;  // reduction rows I.. are w3's
     p2.down = {nullptr, 0};
     err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem, gate_up, p2,
                                   false, false, stream);

@@ -53,6 +53,7 @@ struct Bf16Maps {
   CUtensorMap weights;      // w (gate/up) or w2 (down), 128-row boxes
   CUtensorMap out;          // h or Y (kDownDgrad: dA|dB), the epilogue's 64 x 64 store boxes
   CUtensorMap out_rows;     // the same, kStoreRows-row boxes: output boxes with fewer live tokens
+  CUtensorMap weights2;     // kGateUpDgrad: w3 (`weights` is w1; reduction rows b_second.. are w3's)
   CUtensorMap out2;         // kDownDgrad: s*h, 64 x 64 boxes
   CUtensorMap out2_rows;    // kDownDgrad: s*h, kStoreRows-row boxes
 };
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
     if constexpr (kW == Weights::kBf16)
-      produce_bf16<kKind, kStages>(tm.tokens, tm.weights, tm.tokens_tail, p, sbase, bars, slots, nk);
+      produce_bf16<kKind, kStages>(tm, p, sbase, bars, slots, nk);
     else
       produce_mxfp8<kKind, kStages>(tm.tokens, tm.weights, p, sbase, bars, slots, nk);
   } else {

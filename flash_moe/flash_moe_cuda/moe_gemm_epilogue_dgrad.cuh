@@ -47,7 +47,7 @@ __device__ __forceinline__ float fast_sigmoid(float a) {
 
 // Where kDownDgrad's boxes go: dA|dB (out, out_rows: columns f and I + f), s*h (out2,
 // out2_rows), and the warpgroup's three 8 KB staging slots (its two weight blocks of the held
-// stage, and its box at SmemPlan::kEpiOffset), used in turn.
+// stage, and its box at SmemPlan::kEpiOffset), one per output.
 struct DgradBoxes {
   const CUtensorMap* dab;
   const CUtensorMap* dab_rows;
@@ -58,91 +58,93 @@ struct DgradBoxes {
 
 // Warpgroup cw's part of a kDownDgrad tile: features 256 nb + 128 cw + 64 b (b = 0, 1: acc0,
 // acc1) for the n (<= kBM, a multiple of 8) tokens from tile.m0. wt: the tokens' router weights
-// (shared memory, a float each). A block whose features are past I stores nothing and adds 0 to
-// the score.
+// (shared memory, a float each). A block whose features are past I stores nothing.
+//
+// One pass per 64-token half of a block, two 8-token groups (two preact chunks) at a time; each
+// element's sigmoid feeds all four results: the score term, then dA, dB and s*h, which go to
+// the three slots (stmatrix .trans, as put_box_transposed) and leave as three TMA stores. The
+// score partials are per warp and per block: part[((nb * 2 + cw) * 2 + b) * 4 + w4][position].
 __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const Tile& tile, int n,
                                                       const float (&acc0)[72], const float (&acc1)[72], int cw, int w4,
                                                       int lane, uint32_t wt, const DgradBoxes& boxes) {
   const int q = threadIdx.x & 127;
   const int g0 = 4 * tile.nb + 2 * cw;  // the 64-feature group of block 0
-  const bool valid[2] = {64 * g0 < p.dgrad.I, 64 * (g0 + 1) < p.dgrad.I};
   const int J0 = tile.m0 >> 3;
-  const auto chunk = [&](int b, int j) {
-    return __ldg(p.gate_up.preact + preact_chunk(g0 + b, J0 + j, p.L, w4, lane));
-  };
-  const auto dh = [&](int b, int a) { return b ? acc1[a] : acc0[a]; };
-
-  // The score: per token, sum over this thread's 4 features, then over the 8 lanes that share
-  // the token (a fixed shuffle tree), one partial per warp: no atomics, a fixed order.
-  float* part = p.dgrad.score_part + (int64_t)((tile.nb * 2 + cw) * 4 + w4) * p.L + tile.m0;
-#pragma unroll
-  for (int j = 0; j < kBM / 8; ++j) {
-    if (8 * j >= n) break;
-    float s[2] = {0.f, 0.f};
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      if (!valid[b]) continue;
-      const uint4 c = chunk(b, j);
-      const uint32_t gate[2] = {c.x, c.y}, up[2] = {c.z, c.w};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float a0 = bf16_lo(gate[h]), a1 = bf16_hi(gate[h]);
-        s[0] += dh(b, 4 * j + 2 * h) * (a0 * fast_sigmoid(a0) * bf16_lo(up[h]));
-        s[1] += dh(b, 4 * j + 2 * h + 1) * (a1 * fast_sigmoid(a1) * bf16_hi(up[h]));
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      s[e] += __shfl_xor_sync(0xffffffffu, s[e], 4);
-      s[e] += __shfl_xor_sync(0xffffffffu, s[e], 8);
-      s[e] += __shfl_xor_sync(0xffffffffu, s[e], 16);
-    }
-    if (lane < 4) *reinterpret_cast<float2*>(part + 8 * j + 2 * lane) = make_float2(s[0], s[1]);
-  }
-
-  // dA, dB, s*h boxes. value(kind, b, a): accumulator a = 4j + 2h + e of block b.
-  const auto token = [&](int a) { return 8 * (a >> 2) + 2 * (lane & 3) + (a & 1); };
-  const auto value = [&](int kind, int b, int a) {
-    const uint4 c = chunk(b, a >> 2);
-    const uint32_t gw = (a & 2) ? c.y : c.x, uw = (a & 2) ? c.w : c.z;
-    const float ga = (a & 1) ? bf16_hi(gw) : bf16_lo(gw), u = (a & 1) ? bf16_hi(uw) : bf16_lo(uw);
-    const float s = ld_shared_f32(wt + 4 * token(a));
-    const float sig = fast_sigmoid(ga), silu = ga * sig;
-    if (kind == 0) return s * dh(b, a) * u * sig * (1.f + ga * (1.f - sig));
-    if (kind == 1) return s * dh(b, a) * silu;
-    return s * silu * u;
-  };
   const int nt = n > 64 ? 2 : 1;
-  int i = 0;  // boxes issued so far by this warpgroup
+  const int mh = (lane >> 3) & 1, mj = lane >> 4, mi = lane & 7;  // stmatrix .trans addressing
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
-    if (!valid[b]) break;  // block 1 is past I too
+    if (64 * (g0 + b) >= p.dgrad.I) break;  // block 1 is past I too
     const int f = 64 * (g0 + b);
+    float* part = p.dgrad.score_part + (int64_t)(((tile.nb * 2 + cw) * 2 + b) * 4 + w4) * p.L + tile.m0;
 #pragma unroll
     for (int tb = 0; tb < 2; ++tb) {
       if (tb >= nt) break;
-      const int row = tile.m0 + 64 * tb, box_rows = n - 64 * tb < 64 ? n - 64 * tb : 64;
-#pragma unroll
-      for (int kind = 0; kind < 3; ++kind, ++i) {
-        const int k3 = i % 3;  // selects, not an indexed (local-memory) array: i is not a constant
-        const uint32_t box = k3 == 0 ? boxes.slot[0] : (k3 == 1 ? boxes.slot[1] : boxes.slot[2]);
-        if (i >= 3) {  // the slot's previous box has been read by its store
-          if (q == 0) bulk_wait_read<2>();
-          named_barrier_sync(kEpilogueBarrier + cw, 128);
-        }
-        put_box_transposed(box, tb, w4, lane, [&](int a) { return value(kind, b, a); });
-        fence_proxy_async_shared();
+      if (b + tb > 0) {  // the slots' previous boxes have been read by their stores
+        if (q == 0) bulk_wait_read<0>();
         named_barrier_sync(kEpilogueBarrier + cw, 128);
-        if (q == 0) {
-          const CUtensorMap* full = kind == 2 ? boxes.sh : boxes.dab;
-          const CUtensorMap* rows = kind == 2 ? boxes.sh_rows : boxes.dab_rows;
-          const int col = kind == 1 ? p.dgrad.I + f : f;
-          if (box_rows == 64)
-            tma_store_2d(full, box, col, row);
-          else
-            for (int r = 0; r < box_rows; r += kStoreRows) tma_store_2d(rows, box + r * 128, col, row + r);
-          bulk_commit_group();
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; jj += 2) {
+        uint4 c[2];
+#pragma unroll
+        for (int dj = 0; dj < 2; ++dj)
+          c[dj] = __ldg(p.gate_up.preact + preact_chunk(g0 + b, J0 + 8 * tb + jj + dj, p.L, w4, lane));
+        uint32_t v[3][2][2];  // [output][dj][h]: bf16x2 of tokens e = 0, 1
+#pragma unroll
+        for (int dj = 0; dj < 2; ++dj) {
+          const int j = 8 * tb + jj + dj;
+          const uint4 cj = c[dj];
+          const uint32_t gate[2] = {cj.x, cj.y}, up[2] = {cj.z, cj.w};
+          float score[2] = {0.f, 0.f};
+          float r[3][2][2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float s = ld_shared_f32(wt + 4 * (8 * j + 2 * (lane & 3) + e));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float ga = e ? bf16_hi(gate[h]) : bf16_lo(gate[h]), u = e ? bf16_hi(up[h]) : bf16_lo(up[h]);
+              const float d = b ? acc1[4 * j + 2 * h + e] : acc0[4 * j + 2 * h + e];
+              const float sig = fast_sigmoid(ga), silu = ga * sig, hv = silu * u, sd = s * d;
+              score[e] += d * hv;
+              r[0][h][e] = sd * u * sig * (1.f + ga * (1.f - sig));
+              r[1][h][e] = sd * silu;
+              r[2][h][e] = s * hv;
+            }
+          }
+#pragma unroll
+          for (int o = 0; o < 3; ++o)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) v[o][dj][h] = bf16x2_bits(r[o][h][0], r[o][h][1]);
+          // The score: over the 8 lanes that share the tokens (a fixed shuffle tree).
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            score[e] += __shfl_xor_sync(0xffffffffu, score[e], 4);
+            score[e] += __shfl_xor_sync(0xffffffffu, score[e], 8);
+            score[e] += __shfl_xor_sync(0xffffffffu, score[e], 16);
+          }
+          if (lane < 4 && 8 * j < n) *reinterpret_cast<float2*>(part + 8 * j + 2 * lane) = make_float2(score[0], score[1]);
         }
+        const int t = 8 * (jj + mj) + mi;
+        const uint32_t off = t * 128 + (((2 * w4 + mh) ^ (t & 7)) << 4);
+#pragma unroll
+        for (int o = 0; o < 3; ++o) stmatrix_x4_trans(boxes.slot[o] + off, v[o][0][0], v[o][0][1], v[o][1][0], v[o][1][1]);
+      }
+      fence_proxy_async_shared();
+      named_barrier_sync(kEpilogueBarrier + cw, 128);
+      if (q == 0) {
+        const int row = tile.m0 + 64 * tb, box_rows = n - 64 * tb < 64 ? n - 64 * tb : 64;
+#pragma unroll
+        for (int o = 0; o < 3; ++o) {
+          const CUtensorMap* full = o == 2 ? boxes.sh : boxes.dab;
+          const CUtensorMap* rows = o == 2 ? boxes.sh_rows : boxes.dab_rows;
+          const int col = o == 1 ? p.dgrad.I + f : f;
+          if (box_rows == 64)
+            tma_store_2d(full, boxes.slot[o], col, row);
+          else
+            for (int rr = 0; rr < box_rows; rr += kStoreRows) tma_store_2d(rows, boxes.slot[o] + rr * 128, col, row + rr);
+        }
+        bulk_commit_group();
       }
     }
   }

@@ -190,10 +190,11 @@ __device__ void produce_tiles(const GemmParams& p, uint32_t sbase, const Barrier
 // the gate/up gather adds them; the down GEMM loads them from h through `tokens_tail` (boxes of
 // kMaxRows - kBM rows). The down GEMM loads kBM h rows even for a shorter part; the rows past
 // it are read, not used.
-template <Kind kKind, int kStages>
-__device__ void produce_bf16(const CUtensorMap& tokens, const CUtensorMap& weights, const CUtensorMap& tokens_tail,
-                             const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars, TileSlots& slots,
-                             int nk) {
+// Maps: Bf16Maps (moe_gemm.cuh).
+template <Kind kKind, int kStages, class Maps>
+__device__ void produce_bf16(const Maps& tm, const GemmParams& p, uint32_t sbase, const Barriers<kStages>& bars,
+                             TileSlots& slots, int nk) {
+  const CUtensorMap &tokens = tm.tokens, &weights = tm.weights, &tokens_tail = tm.tokens_tail;
   using Plan = SmemPlan<kStages>;
   constexpr uint32_t kRowBytes = kBK * 2;
   auto load = [&](const Tile& tile, int kb, uint32_t a_s, uint32_t full, bool) {
@@ -210,9 +211,13 @@ __device__ void produce_bf16(const CUtensorMap& tokens, const CUtensorMap& weigh
     if constexpr (mn_major(kKind)) {
       // Box i: features n0 + 64i .. (contiguous) x reduction rows kb * kBK ..; box i is the
       // 8 KB weight block (cw, block) = (i / 2, i % 2) (weight_block). No CTA pairs.
+      // kGateUpDgrad reduces over gate rows, then up rows (b_second = I, a multiple of kBK):
+      // w1's, then w3's.
+      const bool up = kKind == Kind::kGateUpDgrad && kb * kBK >= p.b_second;
+      const CUtensorMap* map = up ? &tm.weights2 : &weights;
+      const int r0 = kb * kBK - (up ? p.b_second : 0);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        tma_load_3d(b_s + i * (Plan::kBBoxBytes / 2), &weights, n0 + 64 * i, kb * kBK, tile.e, full);
+      for (int i = 0; i < 4; ++i) tma_load_3d(b_s + i * (Plan::kBBoxBytes / 2), map, n0 + 64 * i, r0, tile.e, full);
       return;
     }
     if (tile.flags & kMulticast) {

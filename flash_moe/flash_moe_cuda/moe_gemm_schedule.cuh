@@ -62,7 +62,7 @@ struct DownParams {
 struct DgradParams {
   __nv_bfloat16* sh;   // (L, I): router weight x h, the down wgrad's operand
   int64_t ld_sh;       // = I
-  float* score_part;   // (8 * num_n, L): [(nb * 2 + cw) * 4 + w4][position]
+  float* score_part;   // (16 * num_n, L): [((nb * 2 + cw) * 2 + block) * 4 + w4][position]
   int I;               // h features (a multiple of 64)
 };
 // Weight scales, each expert's (b_rows, K/32) matrix in the blocked layout on its own

@@ -31,6 +31,12 @@ def _setup(kernel, M, K, I, E, top_k, seed, drop=0.0, bpc=1):
     return x, w, w2, ids, wts, grad_out, (sorted_ids, expert_ids, ntpp), preact
 
 
+def _halves(w):
+    """w1, w3 of the forward's w = cat([w1, w3], 1)."""
+    I = w.shape[1] // 2
+    return w[:, :I].contiguous(), w[:, I:].contiguous()
+
+
 def _truth(x, w, w2, ids, wts, grad_out, routing, top_k):
     """fp64: per sorted position p (slot s, token t, expert e, weight r): dA|dB, s*h, and per slot
     the score gradient; grad_x per token."""
@@ -81,7 +87,7 @@ CASES = [
 @pytest.mark.parametrize("M,K,I,E,top_k,drop,bpc", CASES)
 def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc):
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, M, K, I, E, top_k, seed=M + K, drop=drop, bpc=bpc)
-    gx, dab, sh, score = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, top_k)
+    gx, dab, sh, score = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k)
     t_gx, t_dab, t_sh, t_score, live = _truth(x, w, w2, ids, wts, g, routing, top_k)
     assert gx.dtype == torch.bfloat16 and gx.shape == x.shape
     assert dab.shape == t_dab.shape and sh.shape == t_sh.shape and score.shape == ids.shape
@@ -97,9 +103,9 @@ def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc):
 def test_dgrad_bit_identical_repeats_and_bpc(kernel):
     args = _setup(kernel, 2048, 2048, 768, 64, 8, seed=7)
     x, w, w2, ids, wts, g, routing, preact = args
-    first = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 8)
+    first = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8)
     for _ in range(3):
-        for a, b in zip(kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 8), first):
+        for a, b in zip(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8), first):
             assert torch.equal(a, b)
     # the CTA-pair forward saves the same pre-activations (NaN where neither writes: the fill)
     preact2 = _setup(kernel, 2048, 2048, 768, 64, 8, seed=7, bpc=2)[-1]
@@ -108,16 +114,16 @@ def test_dgrad_bit_identical_repeats_and_bpc(kernel):
 
 def test_dgrad_graph_capture_replays_eager(kernel):
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 1024, 1024, 512, 32, 4, seed=5)
-    eager = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 4)
+    eager = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 4)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(2):
-            kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 4)
+            kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 4)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kernel.fused_moe_bf16_dgrad(g, w, w2, preact, *routing, wts, 4)
+        captured = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 4)
     for t in captured:
         t.fill_(float("nan"))
     graph.replay()
@@ -129,11 +135,14 @@ def test_dgrad_graph_capture_replays_eager(kernel):
 def test_dgrad_bad_inputs_name_the_argument(kernel):
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 64, 256, 128, 4, 2, seed=1)
     with pytest.raises(RuntimeError, match="preact must hold"):
-        kernel.fused_moe_bf16_dgrad(g, w, w2, preact[:-8], *routing, wts, 2)
+        kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact[:-8], *routing, wts, 2)
     with pytest.raises(RuntimeError, match="grad_out must have dtype"):
-        kernel.fused_moe_bf16_dgrad(g.float(), w, w2, preact, *routing, wts, 2)
-    with pytest.raises(RuntimeError, match=r"w.size\(2\) must equal grad_out.size\(1\)"):
-        kernel.fused_moe_bf16_dgrad(g[:, :128].contiguous(), w, w2, preact, *routing, wts, 2)
+        kernel.fused_moe_bf16_dgrad(g.float(), *_halves(w), w2, preact, *routing, wts, 2)
+    with pytest.raises(RuntimeError, match=r"w1.size\(2\) must equal grad_out.size\(1\)"):
+        kernel.fused_moe_bf16_dgrad(g[:, :128].contiguous(), *_halves(w), w2, preact, *routing, wts, 2)
+    w1, w3 = _halves(w)
+    with pytest.raises(RuntimeError, match="w3 must have w1's shape"):
+        kernel.fused_moe_bf16_dgrad(g, w1, w3[:, :64].contiguous(), w2, preact, *routing, wts, 2)
     # I = 96: no 64-feature groups; the forward refuses to save for it
     w96, w2_96 = w[:, :192].contiguous(), w2[:, :, :96].contiguous()
     out = torch.empty_like(x)

@@ -89,8 +89,9 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
                          const at::Tensor& out, int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
-                         int64_t bpc, int64_t cpc,
-                          const char* xn = "x") {
+                         int64_t bpc, int64_t cpc, const char* xn = "x", const at::Tensor* w3 = nullptr) {
+  // w3 given (the backward): w is w1, gate rows only, and w3 the up rows, each (E, I, K).
+  const char* wn = w3 ? "w1" : "w";
   PK_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   PK_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
   PK_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
@@ -100,14 +101,14 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
            "], got ", top_k);
 
   check_cuda_contig(x, op, xn);
-  check_cuda_contig(w, op, "w");
+  check_cuda_contig(w, op, wn);
   check_cuda_contig(w2, op, "w2");
   check_cuda_contig(sorted_token_ids, op, "sorted_token_ids");
   check_cuda_contig(expert_ids, op, "expert_ids");
   check_cuda_contig(num_tokens_post_padded, op, "num_tokens_post_padded");
   check_cuda_contig(topk_weights, op, "topk_weights");
   check_cuda_contig(out, op, "out");
-  check_same_device(w, x, op, "w", xn);
+  check_same_device(w, x, op, wn, xn);
   check_same_device(w2, x, op, "w2", xn);
   check_same_device(sorted_token_ids, x, op, "sorted_token_ids", xn);
   check_same_device(expert_ids, x, op, "expert_ids", xn);
@@ -122,19 +123,26 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
 
   PK_CHECK(x.dim() == 2, op, ": ", xn, " must be 2-D (M, K), got shape ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
-  PK_CHECK(w.dim() == 3, op, ": w must be 3-D (E, 2*I, K), got shape ", w.sizes());
-  const int64_t E = w.size(0), N = w.size(1);
-  PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": w.size(0) (experts) must be in [1, ",
+  PK_CHECK(w.dim() == 3, op, ": ", wn, " must be 3-D (E, ", w3 ? "I" : "2*I", ", K), got shape ", w.sizes());
+  const int64_t E = w.size(0), N = w3 ? 2 * w.size(1) : w.size(1);
+  PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": ", wn, ".size(0) (experts) must be in [1, ",
            flash_moe::kMaxExperts, "], got ", E);
-  PK_CHECK(w.size(2) == K, op, ": w.size(2) must equal ", xn, ".size(1) = ", K, ", got ", w.size(2));
+  PK_CHECK(w.size(2) == K, op, ": ", wn, ".size(2) must equal ", xn, ".size(1) = ", K, ", got ", w.size(2));
   PK_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
   const int64_t I = N / 2;
+  if (w3) {
+    check_cuda_contig(*w3, op, "w3");
+    check_same_device(*w3, x, op, "w3", xn);
+    PK_CHECK(w3->sizes() == w.sizes(), op, ": w3 must have w1's shape ", w.sizes(), ", got ", w3->sizes());
+    check_aligned16(*w3, op, "w3");
+  }
   PK_CHECK(K > 0 && K % 8 == 0, op, ": ", xn, ".size(1) (K) must be a positive multiple of 8, got ", K);
-  PK_CHECK(I % 8 == 0, op, ": I = w.size(1)/2 must be a multiple of 8, got ", I);
+  PK_CHECK(I % 8 == 0, op, ": I = ", w3 ? "w1.size(1)" : "w.size(1)/2", " must be a multiple of 8, got ", I);
   PK_CHECK(w2.dim() == 3, op, ": w2 must be 3-D (E, K, I), got shape ", w2.sizes());
-  PK_CHECK(w2.size(0) == E, op, ": w2.size(0) must equal w.size(0) = ", E, ", got ", w2.size(0));
+  PK_CHECK(w2.size(0) == E, op, ": w2.size(0) must equal ", wn, ".size(0) = ", E, ", got ", w2.size(0));
   PK_CHECK(w2.size(1) == K, op, ": w2.size(1) must equal ", xn, ".size(1) = ", K, ", got ", w2.size(1));
-  PK_CHECK(w2.size(2) == I, op, ": w2.size(2) must equal w.size(1)/2 = ", I, ", got ", w2.size(2));
+  PK_CHECK(w2.size(2) == I, op, ": w2.size(2) must equal ", w3 ? "w1.size(1)" : "w.size(1)/2", " = ", I, ", got ",
+           w2.size(2));
   PK_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == K, op, ": out must have shape (", M, ", ", K,
            ") like x, got ", out.sizes());
   PK_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == M && topk_weights.size(1) == top_k, op,
@@ -155,7 +163,7 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   PK_CHECK(num_tokens_post_padded.numel() >= 1, op,
            ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
   check_aligned16(x, op, xn);
-  check_aligned16(w, op, "w");
+  check_aligned16(w, op, wn);
   check_aligned16(w2, op, "w2");
   check_aligned16(out, op, "out");
   return MoeDims{M, K, I, E, L};
@@ -261,15 +269,16 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
-    const at::Tensor& grad_out, const at::Tensor& w, const at::Tensor& w2, const at::Tensor& preact,
+    const at::Tensor& grad_out, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2, const at::Tensor& preact,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
     const at::Tensor& topk_weights, int64_t top_k) {
   const char* op = "fused_moe_bf16_dgrad";
   check_dtype(grad_out, at::kBFloat16, op, "grad_out");  // first: the shared rules check it as `out` too
-  const MoeDims d = check_moe_inputs(op, grad_out, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
+  const MoeDims d = check_moe_inputs(op, grad_out, w1, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                      topk_weights, grad_out, top_k, flash_moe::kBlockM, flash_moe::kBlockN,
-                                     flash_moe::kWarpN, 1, 1, "grad_out");
-  check_dtype(w, at::kBFloat16, op, "w");
+                                     flash_moe::kWarpN, 1, 1, "grad_out", &w3);
+  check_dtype(w1, at::kBFloat16, op, "w1");
+  check_dtype(w3, at::kBFloat16, op, "w3");
   check_dtype(w2, at::kBFloat16, op, "w2");
   check_preact(preact, grad_out, d, op);
   const c10::cuda::CUDAGuard guard(grad_out.device());
@@ -286,7 +295,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
                 opt.dtype(at::kByte));
   flash_moe::FusedMoeBf16DgradArgs a{};
   a.grad_out = grad_out.data_ptr();
-  a.w = w.data_ptr();
+  a.w1 = w1.data_ptr();
+  a.w3 = w3.data_ptr();
   a.w2 = w2.data_ptr();
   a.preact = preact.data_ptr();
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, ws);
@@ -413,7 +423,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("fused_moe_bf16", torch::kCUDA, &fused_moe_bf16);
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
   ops.def(
-      "fused_moe_bf16_dgrad(Tensor grad_out, Tensor w, Tensor w2, Tensor preact, Tensor sorted_token_ids, "
+      "fused_moe_bf16_dgrad(Tensor grad_out, Tensor w1, Tensor w3, Tensor w2, Tensor preact, Tensor sorted_token_ids, "
       "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k) -> "
       "(Tensor, Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_dgrad", torch::kCUDA, &fused_moe_bf16_dgrad);

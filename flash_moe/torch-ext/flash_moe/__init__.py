@@ -6,7 +6,7 @@ Public surface (docs/DESIGN.md §5):
   num_tokens_post_padded), on the GPU, no host synchronisation.
 - ``fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
   out, top_k, ...)`` -> out (written in place).
-- ``fused_moe_bf16_dgrad(grad_out, w, w2, preact, ...)`` -> (grad_x, dA|dB, s*h, score): the
+- ``fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, ...)`` -> (grad_x, dA|dB, s*h, score): the
   backward's data gradients from the pre-activations ``fused_moe_bf16(..., preact=)`` saved.
 - ``fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
   num_tokens_post_padded, topk_weights, out, top_k, ...)`` -> out: the same MoE with MXFP8 (e4m3
@@ -205,7 +205,8 @@ def preact_numel(sorted_len: int, hidden_dim: int) -> int:
 
 def fused_moe_bf16_dgrad(
     grad_out: torch.Tensor,
-    w: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
     w2: torch.Tensor,
     preact: torch.Tensor,
     sorted_token_ids: torch.Tensor,
@@ -220,17 +221,19 @@ def fused_moe_bf16_dgrad(
     g = grad_out rows of each slot's token and s its router weight:
 
     Returns:
-        grad_x: (M, K) bf16, sum over the token's slots (ascending k, fp32) of dA|dB @ W[e].
+        grad_x: (M, K) bf16, sum over the token's slots (ascending k, fp32) of
+            dA @ w1[e] + dB @ w3[e] (each slot's row rounded to bf16).
         dab: (L, 2I) bf16 by sorted position: s * (g W2[e]) * u * silu'(a) | s * (g W2[e]) * silu(a);
             zero at padding positions.
         sh: (L, I) bf16 by sorted position: s * h; zero at padding positions.
         score: (M, top_k) fp32, d out / d topk_weights = <g W2[e], h>; 0 for dropped slots.
 
-    dab and sh are the wgrads' operands: grad_w[e] = dab_e^T x_e, grad_w2[e] = g_e^T sh_e.
-    Shapes and dtypes as `fused_moe_bf16` (grad_out like x); I % 64 == 0. Deterministic (no
-    float atomics), no host synchronisation.
+    dab and sh are the wgrads' operands: grad_w1|w3[e] = dab_e^T x_e, grad_w2[e] = g_e^T sh_e.
+    w1, w3: (E, I, K) bf16 gate and up projections (the forward's w = cat([w1, w3], 1), kept
+    apart here so the backward never copies them); the rest as `fused_moe_bf16` (grad_out like
+    x); I % 64 == 0. Deterministic (no float atomics), no host synchronisation.
     """
-    return ops.fused_moe_bf16_dgrad(grad_out, w, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
+    return ops.fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     topk_weights, int(top_k))
 
 
@@ -343,9 +346,9 @@ def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post
 
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_dgrad"))
-def _fused_moe_bf16_dgrad_fake(grad_out, w, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
+def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                topk_weights, top_k):
-    L, I = sorted_token_ids.shape[0], w.shape[1] // 2
+    L, I = sorted_token_ids.shape[0], w1.shape[1]
     return (grad_out.new_empty(grad_out.shape), grad_out.new_empty((L, 2 * I)), grad_out.new_empty((L, I)),
             grad_out.new_empty(topk_weights.shape, dtype=torch.float32))
 

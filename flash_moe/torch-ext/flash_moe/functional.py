@@ -130,9 +130,9 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
     sorted_ids, expert_ids, ntpp, top_k = routing
     E, I, K = w1.shape
     bf = torch.bfloat16
-    w = torch.cat([w1, w3], dim=1).to(bf).contiguous()
     g = grad_out.to(bf).contiguous()
-    gx, dab, sh, score = fused_moe_bf16_dgrad(g, w, w2.to(bf).contiguous(), preact, sorted_ids, expert_ids, ntpp,
+    gx, dab, sh, score = fused_moe_bf16_dgrad(g, w1.to(bf).contiguous(), w3.to(bf).contiguous(), w2.to(bf).contiguous(),
+                                              preact, sorted_ids, expert_ids, ntpp,
                                               topk_weights.to(torch.float32).contiguous(), top_k)
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
     if any(needs_input_grad[1:4]):

@@ -207,16 +207,16 @@ def _preactivations(x, w, sorted_token_ids, num_tokens_post_padded, expert_ids, 
     return a, u
 
 
-def fused_moe_bf16_dgrad(grad_out, w, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
+def fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
                          topk_weights, top_k, block_m: int = BLOCK_M):
     """Reference of `flash_moe.fused_moe_bf16_dgrad`, in fp32 from the bf16 pre-activations:
     per live position p (slot s, token t, expert e, router weight r), with a, u from preact,
     h = silu(a) u and dh = grad_out[t] @ w2[e]: dA|dB[p] = r dh (u silu'(a) | silu(a)) and
     sh[p] = r h (bf16, zero at padding positions), score[s] = dh . h (fp32, 0 if dropped), and
-    grad_x[t] = sum over k ascending of the bf16 rows dA|dB[p] @ w[e] (fp32 sum, bf16 result)."""
+    grad_x[t] = sum over k ascending of the bf16 rows dA|dB[p] @ (w1|w3)[e] (fp32 sum, bf16 result)."""
     M, K = grad_out.shape
-    E, N, _ = w.shape
-    I, L = N // 2, sorted_token_ids.numel()
+    E, I, _ = w1.shape
+    N, L = 2 * I, sorted_token_ids.numel()
     n_slots = M * top_k
     a, u = (t.float() for t in unpack_preact(preact, L, I))
     live = _live_positions(sorted_token_ids, num_tokens_post_padded, n_slots)
@@ -239,7 +239,7 @@ def fused_moe_bf16_dgrad(grad_out, w, w2, preact, sorted_token_ids, expert_ids, 
         dab[p] = torch.cat([r * dh * u[p] * sig * (1 + a[p] * (1 - sig)), r * dh * silu], 1).bfloat16().float()
         sh[p] = r * h
         score[slot] = (dh * h).sum(1)
-        dx[slot] = (dab[p] @ w[e].float()).bfloat16().float()
+        dx[slot] = (dab[p] @ torch.cat([w1[e], w3[e]]).float()).bfloat16().float()
     grad_x = dx.view(M, top_k, K).sum(1).bfloat16()
     return grad_x, dab.bfloat16(), sh.bfloat16(), score.view(M, top_k)
 
