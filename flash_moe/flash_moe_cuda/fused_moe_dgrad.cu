@@ -15,8 +15,10 @@
 #include <cuda_runtime.h>
 
 #include "flash_moe.cuh"
+#include "heuristics.cuh"
 #include "launch.cuh"
 #include "moe_gemm.cuh"
+#include "workspace.cuh"
 
 namespace flash_moe {
 namespace {
@@ -30,25 +32,16 @@ constexpr int kScoreThreads = 256;
 // n-block.
 int64_t score_parts(int64_t I) { return 16 * ((I + 255) / 256); }
 
-// The workspace: one table of 256-byte aligned regions (as workspace.cuh's for the forward).
+// The workspace's regions (RegionTable, as the forward's WorkspaceLayout).
 struct DgradWorkspace {
   enum Region { kDx, kScorePart, kInv, kCounters, kRegions };
-  size_t offset[kRegions + 1];
-  static size_t align256(size_t v) { return (v + 255) / 256 * 256; }
-  static int64_t blocks(int64_t L) { return (L + gemm::kBM - 1) / gemm::kBM; }
   // Two tile counters, then h_done and block_live per m-block (slot_positions writes block_live;
   // the GEMMs' HandOff is unused here but its counters must exist).
-  static int64_t counter_ints(int64_t L) { return 2 + 2 * blocks(L); }
-  DgradWorkspace(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
-    const size_t bytes[kRegions] = {(size_t)(L * K * 2), (size_t)(score_parts(I) * L * 4), (size_t)(M * top_k * 4),
-                                    (size_t)counter_ints(L) * 4};
-    size_t at = 0;
-    for (int r = 0; r < kRegions; ++r) {
-      offset[r] = at;
-      at += align256(bytes[r]);
-    }
-    offset[kRegions] = at;
-  }
+  static int64_t counter_ints(int64_t L) { return 2 + 2 * WorkspaceLayout::blocks(L); }
+  RegionTable<kRegions> table;
+  DgradWorkspace(int64_t M, int64_t K, int64_t I, int64_t L, int top_k)
+      : table({(size_t)(L * K * 2), (size_t)(score_parts(I) * L * 4), (size_t)(M * top_k * 4),
+               (size_t)counter_ints(L) * 4}) {}
 };
 
 // score[slot] = sum over q ascending of part[q][pos(slot)]; 0 for a slot without a position.
@@ -82,7 +75,7 @@ GemmParams base_params(const FusedMoeBf16DgradArgs& a, int32_t* counters) {
 }  // namespace
 
 size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
-  return DgradWorkspace(M, K, I, L, top_k).offset[DgradWorkspace::kRegions];
+  return DgradWorkspace(M, K, I, L, top_k).table.offset[DgradWorkspace::kRegions];  // the total
 }
 
 cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t stream) {
@@ -90,17 +83,18 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   if (a.M == 0) return cudaSuccess;
   using R = DgradWorkspace;
   const R layout(a.M, a.K, a.I, a.L, a.top_k);
+  const auto& at = layout.table.offset;
   uint8_t* const b = static_cast<uint8_t*>(a.workspace);
-  auto* dx = reinterpret_cast<__nv_bfloat16*>(b + layout.offset[R::kDx]);
-  auto* part = reinterpret_cast<float*>(b + layout.offset[R::kScorePart]);
-  auto* inv = reinterpret_cast<int32_t*>(b + layout.offset[R::kInv]);
-  auto* counters = reinterpret_cast<int32_t*>(b + layout.offset[R::kCounters]);
+  auto* dx = reinterpret_cast<__nv_bfloat16*>(b + at[R::kDx]);
+  auto* part = reinterpret_cast<float*>(b + at[R::kScorePart]);
+  auto* inv = reinterpret_cast<int32_t*>(b + at[R::kInv]);
+  auto* counters = reinterpret_cast<int32_t*>(b + at[R::kCounters]);
   const int64_t n_slots = a.M * a.top_k;
   cudaError_t err = cudaMemsetAsync(inv, 0xFF, (size_t)n_slots * 4, stream);
   if (err == cudaSuccess) err = cudaMemsetAsync(counters, 0, (size_t)R::counter_ints(a.L) * 4, stream);
   if (err == cudaSuccess)
-    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, inv, counters + 2 + R::blocks(a.L),
-                         stream);
+    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, inv,
+                         counters + 2 + WorkspaceLayout::blocks(a.L), stream);
   if (err != cudaSuccess) return err;
 
   if (a.L > 0) {
@@ -127,13 +121,11 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     p1.gate_up.lda = a.K;
     p1.gate_up.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
     p1.down.topk_weights = a.topk_weights;
-    p1.dgrad = {static_cast<__nv_bfloat16*>(a.sh), a.I, part, (int)a.I};
+    p1.dgrad.score_part = part;
     err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
                                   false, stream);
     if (err != cudaSuccess) return err;
-    const int grid = (int)((n_slots + kScoreThreads - 1) / kScoreThreads < 4 * sm_count()
-                               ? (n_slots + kScoreThreads - 1) / kScoreThreads
-                               : 4 * sm_count());
+    const int grid = heuristics::capped_grid(n_slots, kScoreThreads, heuristics::kInverseCtasPerSm);
     // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
     // written, and the sum stops before them.
     score_sum_kernel<<<grid, kScoreThreads, 0, stream>>>(part, inv, n_slots, a.L, (int)(a.I / 16), a.score);

@@ -74,7 +74,7 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
   const int mh = (lane >> 3) & 1, mj = lane >> 4, mi = lane & 7;  // stmatrix .trans addressing
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
-    if (64 * (g0 + b) >= p.dgrad.I) break;  // block 1 is past I too
+    if (64 * (g0 + b) >= p.n_out) break;  // block 1 is past I too
     const int f = 64 * (g0 + b);
     float* part = p.dgrad.score_part + (int64_t)(((tile.nb * 2 + cw) * 2 + b) * 4 + w4) * p.L + tile.m0;
 #pragma unroll
@@ -138,7 +138,7 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
         for (int o = 0; o < 3; ++o) {
           const CUtensorMap* full = o == 2 ? boxes.sh : boxes.dab;
           const CUtensorMap* rows = o == 2 ? boxes.sh_rows : boxes.dab_rows;
-          const int col = o == 1 ? p.dgrad.I + f : f;
+          const int col = o == 1 ? p.n_out + f : f;
           if (box_rows == 64)
             tma_store_2d(full, boxes.slot[o], col, row);
           else

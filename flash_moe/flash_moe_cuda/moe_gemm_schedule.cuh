@@ -57,13 +57,10 @@ struct DownParams {
                               // null: weight 1 (kGateUpDgrad)
   int h_done_target;          // the HandOff count that makes an m-block's h rows complete
 };
-// kDownDgrad's epilogue (moe_gemm_epilogue_dgrad.cuh): dA|dB go to p.out (L, 2I), s*h to sh,
-// per-warp partial sums of the score gradient to score_part.
+// kDownDgrad's epilogue (moe_gemm_epilogue_dgrad.cuh; n_out = I, a multiple of 64): dA|dB and
+// s*h leave by TMA (Bf16Maps out, out2); the score gradient's per-warp partial sums go here.
 struct DgradParams {
-  __nv_bfloat16* sh;   // (L, I): router weight x h, the down wgrad's operand
-  int64_t ld_sh;       // = I
-  float* score_part;   // (16 * num_n, L): [((nb * 2 + cw) * 2 + block) * 4 + w4][position]
-  int I;               // h features (a multiple of 64)
+  float* score_part;  // (16 * num_n, L): [((nb * 2 + cw) * 2 + block) * 4 + w4][position]
 };
 // Weight scales, each expert's (b_rows, K/32) matrix in the blocked layout on its own
 // (pack_scales_blocked of (E, b_rows, K/32)), so expert e's start at row e * scale_rows.

@@ -18,6 +18,20 @@ namespace flash_moe {
 constexpr int kTileCounterInts = 2;
 constexpr int kCounterHeaderInts = kTileCounterInts + 1;  // + the misfit flag
 
+// Offsets of consecutive regions, each 256-byte aligned; offset[N] is the total.
+template <int N>
+struct RegionTable {
+  size_t offset[N + 1];
+  explicit RegionTable(const size_t (&bytes)[N]) {
+    size_t at = 0;
+    for (int r = 0; r < N; ++r) {
+      offset[r] = at;
+      at += (bytes[r] + 255) / 256 * 256;
+    }
+    offset[N] = at;
+  }
+};
+
 struct WorkspaceLayout {
   enum Region {
     kH,         // h (L, I) bf16: the gate/up GEMM's output
@@ -30,26 +44,17 @@ struct WorkspaceLayout {
     kXTop,      // MXFP8 only: ... and per token (M)
     kRegions
   };
-  static size_t align256(size_t v) { return (v + 255) / 256 * 256; }
   static int64_t blocks(int64_t L) { return (L + gemm::kBM - 1) / gemm::kBM; }
   static int64_t counter_ints(int64_t L) { return kCounterHeaderInts + 2 * blocks(L); }
 
-  size_t offset[kRegions + 1];  // offset[kRegions]: the total
+  RegionTable<kRegions> table;
 
   // mx_w_rows: the MXFP8 op's weight rows E * 2I; 0 for the bf16 op (its MXFP8 regions are empty).
-  WorkspaceLayout(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, int64_t mx_w_rows) {
-    const bool mx = mx_w_rows > 0;
-    const size_t bytes[kRegions] = {
-        (size_t)(L * I * 2),          (size_t)(L * K * 2), (size_t)(M * top_k * 4), (size_t)counter_ints(L) * 4,
-        (size_t)(2 * blocks(L) + 1) * 4, mx ? (size_t)(M * K * 2) : 0, (size_t)mx_w_rows, mx ? (size_t)M : 0};
-    size_t at = 0;
-    for (int r = 0; r < kRegions; ++r) {
-      offset[r] = at;
-      at += align256(bytes[r]);
-    }
-    offset[kRegions] = at;
-  }
-  size_t total() const { return offset[kRegions]; }
+  WorkspaceLayout(int64_t M, int64_t K, int64_t I, int64_t L, int top_k, int64_t mx_w_rows)
+      : table({(size_t)(L * I * 2), (size_t)(L * K * 2), (size_t)(M * top_k * 4), (size_t)counter_ints(L) * 4,
+               (size_t)(2 * blocks(L) + 1) * 4, mx_w_rows > 0 ? (size_t)(M * K * 2) : 0, (size_t)mx_w_rows,
+               mx_w_rows > 0 ? (size_t)M : 0}) {}
+  size_t total() const { return table.offset[kRegions]; }
 };
 
 struct Workspace {
@@ -73,19 +78,19 @@ struct Workspace {
     using R = WorkspaceLayout;
     const R layout(M, K, I, L, top_k, mx_w_rows);
     uint8_t* const b = static_cast<uint8_t*>(base);
-    h = reinterpret_cast<__nv_bfloat16*>(b + layout.offset[R::kH]);
-    Y = reinterpret_cast<__nv_bfloat16*>(b + layout.offset[R::kY]);
-    inv = reinterpret_cast<int32_t*>(b + layout.offset[R::kInv]);
-    tile_counters = reinterpret_cast<int32_t*>(b + layout.offset[R::kCounters]);
+    h = reinterpret_cast<__nv_bfloat16*>(b + layout.table.offset[R::kH]);
+    Y = reinterpret_cast<__nv_bfloat16*>(b + layout.table.offset[R::kY]);
+    inv = reinterpret_cast<int32_t*>(b + layout.table.offset[R::kInv]);
+    tile_counters = reinterpret_cast<int32_t*>(b + layout.table.offset[R::kCounters]);
     window_misfit = reinterpret_cast<uint32_t*>(tile_counters + kTileCounterInts);
     h_done = tile_counters + kCounterHeaderInts;
     block_live = h_done + R::blocks(L);
-    units = reinterpret_cast<int2*>(b + layout.offset[R::kUnits]);
+    units = reinterpret_cast<int2*>(b + layout.table.offset[R::kUnits]);
     num_units = reinterpret_cast<int32_t*>(units + R::blocks(L));
     if (mx_w_rows > 0) {
-      x16 = b + layout.offset[R::kX16];
-      w_top = b + layout.offset[R::kWTop];
-      x_top = b + layout.offset[R::kXTop];
+      x16 = b + layout.table.offset[R::kX16];
+      w_top = b + layout.table.offset[R::kWTop];
+      x_top = b + layout.table.offset[R::kXTop];
     }
   }
   // Before the GEMMs: inv = -1 (no position), counters = 0.

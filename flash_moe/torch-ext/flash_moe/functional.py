@@ -22,6 +22,12 @@ import torch.nn.functional as F
 from . import fused_moe_bf16, fused_moe_bf16_dgrad, fused_moe_mxfp8, moe_align, preact_numel, quantize_mxfp8
 
 
+def _live(sorted_ids: torch.Tensor, ntpp: torch.Tensor, n_slots: int):
+    """(positions, live): moe_align's positions 0..L-1 and which of them hold a routed slot."""
+    positions = torch.arange(sorted_ids.numel(), device=sorted_ids.device, dtype=torch.int32)
+    return positions, (sorted_ids >= 0) & (sorted_ids < n_slots) & (positions < ntpp)
+
+
 def _routing(topk_ids: torch.Tensor, num_experts: int):
     """moe_align's layout plus what the backward needs: per position the token (0 for padding),
     a live mask, grouped_mm's group ends, and per slot its position (L, a zero row, if dropped)."""
@@ -29,8 +35,7 @@ def _routing(topk_ids: torch.Tensor, num_experts: int):
     top_k = topk_ids.shape[1]
     sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), num_experts)
     L = sorted_ids.numel()
-    positions = torch.arange(L, device=sorted_ids.device, dtype=torch.int32)
-    live = (sorted_ids >= 0) & (sorted_ids < n_slots) & (positions < ntpp)
+    positions, live = _live(sorted_ids, ntpp, n_slots)
     slot = torch.where(live, sorted_ids, torch.zeros_like(sorted_ids)).long()
     token = slot // top_k
     offs = _group_ends(expert_ids, num_experts, L)
@@ -136,11 +141,10 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
                                               topk_weights.to(torch.float32).contiguous(), top_k)
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
     if any(needs_input_grad[1:4]):
-        M, L, n_slots = x.shape[0], sorted_ids.numel(), topk_weights.numel()
-        positions = torch.arange(L, device=sorted_ids.device, dtype=torch.int32)
-        live = (sorted_ids >= 0) & (sorted_ids < n_slots) & (positions < ntpp)
+        M = x.shape[0]
+        live = _live(sorted_ids, ntpp, topk_weights.numel())[1]
         row = torch.where(live, sorted_ids.long() // top_k, M)  # padding reads the zero row M
-        offs = _group_ends(expert_ids, E, L)
+        offs = _group_ends(expert_ids, E, sorted_ids.numel())
 
         def by_position(t):  # (L, K) token rows by sorted position, zero at padding positions
             return torch.cat([t.to(bf), t.new_zeros(1, K, dtype=bf)])[row]
@@ -172,7 +176,7 @@ class _MoE(torch.autograd.Function):
         if fused and not mxfp8:
             preact = torch.empty(preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device=x.device)
         out = _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact)
-        ctx.fused, ctx.mxfp8, ctx.top_k = fused, mxfp8, top_k
+        ctx.fused, ctx.top_k = fused, top_k
         ctx.save_for_backward(x, w1, w2, w3, topk_ids, topk_weights, sorted_ids, expert_ids, ntpp, preact)
         return out
 
