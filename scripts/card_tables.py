@@ -48,6 +48,19 @@ def flash_moe_table(results: dict) -> str:
         lines.append(f"| {', '.join(map(str, shape))} | {_ms(r, 'tflops', 'TF/s')} | {b2b} | "
                      f"{_ms(mx.get(shape), 'tflops', 'TF/s')} | {_ms(grouped.get(shape), 'tflops', 'TF/s')} | "
                      f"{_ms(liger.get(shape), 'tflops', 'TF/s')} |")
+    bwd = _rows(results, "fused_moe_bf16_backward", "prime-kernels")
+    if bwd:
+        peer = _rows(results, "fused_moe_bf16_backward", "prime-rl backward")
+        both = _rows(results, "fused_moe_bf16_forward_backward", "prime-kernels")
+        both_peer = _rows(results, "fused_moe_bf16_forward_backward", "prime-rl backward")
+        lines += ["", "Training: the backward (`moe(...)`'s, 12·M·K·I FLOPs) and forward+backward with its peak memory.",
+                  "", "| shape | backward ms (TFLOP/s) | prime-rl's backward | forward+backward | peak GB, ours / prime-rl's |",
+                  "|---|---|---|---|---|"]
+        for shape, r in bwd.items():
+            b, bp = both.get(shape), both_peer.get(shape)
+            peak = f"{b['peak_GB']:.2f} / {bp['peak_GB']:.2f}" if b and bp else "—"
+            lines.append(f"| {', '.join(map(str, shape))} | {_ms(r, 'tflops', 'TF/s')} | "
+                         f"{_ms(peer.get(shape), 'tflops', 'TF/s')} | {_ms(b, 'tflops', 'TF/s')} | {peak} |")
     return "\n".join(lines + ["", _provenance(results)])
 
 

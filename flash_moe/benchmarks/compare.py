@@ -18,6 +18,13 @@ the fp32 truth of the ORIGINAL inputs; quant_floor_rel_err is the error that qua
 costs (fp32 MoE of the dequantized inputs). Then quantize_mxfp8 alone on bf16 (N, C) inputs,
 row-major and blocked scales (GB/s counts 2 B read + 1 B + 1/32 B scale written per element).
 
+The backward (unless --backward-shapes ''), on BACKWARD_SHAPES (issue #23's): ours
+(`functional.fused_backward` on the pre-activations the training forward saved), prime-rl's
+backward as restated in flash_moe/tests/test_moe_backward_gpu.py, the four backward GEMMs alone
+(`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
+memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
+fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
+
 Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
 
 Our ops run as a caller who passes no tuning argument calls them: `bpc=None`, which takes
@@ -37,7 +44,7 @@ of its time at boost clocks; back to back, as in a training step, the matmul and
 shapes run at the H200's 700 W power limit, well below boost (flash_moe/DESIGN.md §5).
 
 usage: python3 flash_moe/benchmarks/compare.py [--out DIR] [--iters 20] [--shapes 0,1,2,3,4] [--no-liger]
-       [--no-mxfp8] [--no-profile] [--no-sustained]
+       [--no-mxfp8] [--no-profile] [--no-sustained] [--backward-shapes 0,1,2,3,4]
 """
 
 from __future__ import annotations
@@ -66,6 +73,10 @@ from bench_timing import ceilings, median_ms  # noqa: E402
 
 SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (8192, 4096, 1536, 128, 8),
           (8192, 7168, 2048, 256, 8), (1024, 2048, 768, 128, 8)]
+# The backward's shapes (issue #23; targets in flash_moe/DESIGN.md §8).
+BACKWARD_SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (32768, 4096, 1024, 64, 4),
+                   (8192, 4096, 1536, 128, 8), (1024, 2048, 768, 128, 8)]
+GRADS = ("x", "w1", "w2", "w3", "topk_weights")
 QUANT_SHAPES = [(65536, 4096), (16384, 7168)]  # (N, C) bf16 inputs of quantize_mxfp8
 
 
@@ -193,6 +204,8 @@ def torch_dequant(q, scales):
 
 # gemm::Weights in moe_gemm.cuh, in order: kBf16, kMxfp8, kMxfp8Window (the f16 scale-window gate/up).
 GEMM_WEIGHTS = ("bf16", "mxfp8", "mxfp8-f16")
+# gemm::Kind, in order: the forward's two GEMMs, then the backward's (fused_moe_bf16_dgrad).
+GEMM_KINDS = ("gate/up", "down", "down dgrad", "gate/up dgrad")
 
 
 def kernel_label(name):
@@ -202,7 +215,7 @@ def kernel_label(name):
     if m:
         w = int(m.group(1))
         weights = GEMM_WEIGHTS[w] if w < len(GEMM_WEIGHTS) else f"weights{w}"
-        return f"gemm {weights} {('gate/up', 'down')[int(m.group(2))]}"
+        return f"gemm {weights} {GEMM_KINDS[int(m.group(2))]}"
     m = re.search(r"(\w+_kernel(<[^>]*>)?)", name)
     return m.group(1) if m else name[:60]
 
@@ -240,11 +253,12 @@ def op_alone_by_bpc(op_for_bpc, iters):
     return {b: round(min(v), 4) for b, v in times.items()}
 
 
-def moe_row(rows, op, impl, si, ms, err, **extra):
-    """Record and print one MoE row (docs/DESIGN.md §9 schema) of shape SHAPES[si]; err None: a row that
+def moe_row(rows, op, impl, shape, ms, err, flop_factor=6, **extra):
+    """Record and print one MoE row (docs/DESIGN.md §9 schema) of `shape` (T, K, I, E, top_k); its
+    FLOPs are flop_factor * T * top_k * K * I (forward 6, backward 12, both 18); err None: a row that
     does not compute the whole op (no rel_err_vs_fp32). Extra fields that are None are left out."""
-    T, K, I, E, top_k = SHAPES[si]
-    flops = 6 * T * top_k * K * I
+    T, K, I, E, top_k = shape
+    flops = flop_factor * T * top_k * K * I
     r = {"op": op, "impl": impl, "shape": {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k},
          "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
     if err is not None:
@@ -253,7 +267,7 @@ def moe_row(rows, op, impl, si, ms, err, **extra):
     rows.append(r)
     floor = f" (quantization floor {extra['quant_floor_rel_err']:.2e})" if "quant_floor_rel_err" in extra else ""
     err_text = f" rel_err {err:.2e}" if err is not None else ""
-    print(f"{SHAPES[si]} {op} {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s){err_text}{floor}", flush=True)
+    print(f"{shape} {op} {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s){err_text}{floor}", flush=True)
 
 
 def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=None):
@@ -278,7 +292,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
     torch.cuda.empty_cache()
 
     def row(impl, ms, err, **extra):
-        moe_row(rows, "fused_moe_mxfp8", impl, si, ms, err, quant_floor_rel_err=floor, **extra)
+        moe_row(rows, "fused_moe_mxfp8", impl, SHAPES[si], ms, err, quant_floor_rel_err=floor, **extra)
 
     bpc = kernel.preferred_bpc(T, K, I, E, top_k, mxfp8=True)
     bf16_bpc = kernel.preferred_bpc(T, K, I, E, top_k)  # for the dequant+fused_bf16 row
@@ -362,6 +376,109 @@ def quantize_rows(kernel, ref, args, copy, rows):
         torch.cuda.empty_cache()
 
 
+def backward_gemms(xs, gs, h, dab, offs, w, w2):
+    """The backward's four grouped GEMMs on rows already gathered by position (moe_align's padded
+    layout): dh = g W2, dx = dA|dB W, dW = dA|dBᵀ x, dW2 = gᵀ h."""
+    return (torch._grouped_mm(gs, w2, offs=offs), torch._grouped_mm(dab, w, offs=offs),
+            torch._grouped_mm(dab.t(), xs, offs=offs), torch._grouped_mm(gs.t(), h, offs=offs))
+
+
+def load_prime_rl_peer():
+    """prime-rl's backward and its `_FusedMoE`, as restated in the GPU tests (the accuracy peer)."""
+    return kernel_package.load_file("flash_moe_prime_rl_peer", MEMBER / "tests" / "test_moe_backward_gpu.py")
+
+
+def peak_gb(fn):
+    """Memory fn(0) allocates at its peak beyond what was allocated before, in GB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(0)
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)
+
+
+def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
+    """The backward on one shape: ours (`functional.fused_backward` on the pre-activations the
+    training forward saved), prime-rl's restated backward, the four backward GEMMs alone
+    (`backward_gemms`), and forward+backward through autograd (ours: `moe`; prime-rl's: our
+    forward with its backward), with each gradient's error against fp32 autograd through the
+    reference and the peak memory of forward+backward. One input set (the weights, read once per
+    call, exceed L2 at every shape)."""
+    T, K, I, E, top_k = shape
+    F = kernel.functional
+    g = torch.Generator(device="cuda").manual_seed(100 + sum(shape))
+    x = torch.randn(T, K, generator=g, device="cuda").bfloat16()
+    w1, w3 = ((torch.randn(E, I, K, generator=g, device="cuda") / K ** 0.5).bfloat16() for _ in range(2))
+    w2 = (torch.randn(E, K, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
+    ids = torch.rand(T, E, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+    wt = torch.softmax(torch.randn(T, top_k, generator=g, device="cuda"), -1)
+    go = torch.randn(T, K, generator=g, device="cuda").bfloat16()
+    inputs = (x, w1, w2, w3, wt)
+
+    leaves = [t.float().requires_grad_() for t in inputs]
+    ref.moe_fp32(leaves[0], torch.cat([leaves[1], leaves[3]], 1), leaves[2], ids, leaves[4]).backward(go.float())
+    truth = [t.grad for t in leaves]
+    del leaves
+
+    def errors(grads):
+        return {n: round(((a.float() - t).norm() / t.norm()).item(), 6) for n, a, t in zip(GRADS, grads, truth)}
+
+    sorted_ids, expert_ids, ntpp = kernel.moe_align(ids, E)
+    routing = (sorted_ids, expert_ids, ntpp, top_k)
+    preact = torch.empty(kernel.preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device="cuda")
+    F._forward(x, w1, w2, w3, wt, routing, False, preact)
+
+    def ours(i):
+        return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact)
+
+    def leaves_of(i):
+        return [t.detach().requires_grad_() for t in inputs]
+
+    def ours_both(i):
+        lv = leaves_of(i)
+        kernel.moe(lv[0], lv[1], lv[2], lv[3], ids, lv[4]).backward(go)
+
+    peer._PrimeRlFusedMoE.kernel = kernel
+
+    def prime_rl(i):
+        return peer.prime_rl_backward(go, x, w1, w2, w3, ids, wt, E)
+
+    def prime_rl_both(i):
+        lv = leaves_of(i)
+        peer._PrimeRlFusedMoE.apply(lv[0], lv[1], lv[2], lv[3], ids, lv[4], E, False).backward(go)
+
+    errs = errors(ours(0))
+    kernels = profile_kernels(ours) if args.profile else None
+    sus = monitor.sustained(ours, 12 * T * top_k * K * I) if monitor else None
+    moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
+            max(errs.values()), 12, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus)
+    errs_p = errors(prime_rl(0))
+    moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, median_ms(prime_rl, args.iters),
+            max(errs_p.values()), 12, grad_rel_err_vs_fp32=errs_p,
+            sustained=monitor.sustained(prime_rl, 12 * T * top_k * K * I) if monitor else None)
+
+    live = F._live(sorted_ids, ntpp, T * top_k)[1]
+    row = torch.where(live, sorted_ids.long() // top_k, T)
+    xs, gs = (torch.cat([t, t.new_zeros(1, K)])[row] for t in (x, go))
+    h = torch.randn(sorted_ids.numel(), I, generator=g, device="cuda").bfloat16()
+    dab = torch.randn(sorted_ids.numel(), 2 * I, generator=g, device="cuda").bfloat16()
+    w = torch.cat([w1, w3], 1)
+    offs = F._group_ends(expert_ids, E, sorted_ids.numel())
+    moe_row(rows, "fused_moe_bf16_backward", "grouped_mm GEMMs only", shape,
+            median_ms(lambda i: backward_gemms(xs, gs, h, dab, offs, w, w2), args.iters), None, 12,
+            note="the four backward GEMMs alone (torch._grouped_mm), rows pre-gathered by position")
+    del xs, gs, h, dab, w
+
+    for impl, fn in (("prime-kernels", ours_both), ("prime-rl backward", prime_rl_both)):
+        moe_row(rows, "fused_moe_bf16_forward_backward", impl, shape, median_ms(fn, args.iters), None, 18,
+                peak_GB=peak_gb(fn),
+                sustained=monitor.sustained(fn, 18 * T * top_k * K * I) if monitor and impl == "prime-kernels"
+                else None)
+    del preact, truth
+    torch.cuda.empty_cache()
+
+
 def _shape_text(r):
     sh = r["shape"]
     if r["op"] == "quantize_mxfp8":
@@ -383,7 +500,7 @@ def plot(rows, copy, mm, path, gpu="", mm_sustained=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    moe = [r for r in rows if r["op"].startswith("fused_moe")]
+    moe = [r for r in rows if r["op"] in ("fused_moe_bf16", "fused_moe_mxfp8")]
     quant = [r for r in rows if r["op"] == "quantize_mxfp8"]
     labels = sorted({_moe_label(r) for r in moe}, key=lambda s: [int(v) for v in s.split(",")])
     series = [(op, impl) for op, impl in [("fused_moe_bf16", "prime-kernels"), ("fused_moe_bf16", "grouped_mm"),
@@ -429,23 +546,58 @@ def plot(rows, copy, mm, path, gpu="", mm_sustained=None):
     fig.savefig(path, dpi=110)
 
 
+def plot_backward(rows, mm, path, gpu=""):
+    """Bars of the backward rows' TFLOP/s per shape (12*T*k*K*I; forward+backward 18*...) against
+    the matmul ceiling, with back-to-back rates as black ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [("fused_moe_bf16_backward", "prime-kernels"), ("fused_moe_bf16_backward", "prime-rl backward"),
+              ("fused_moe_bf16_backward", "grouped_mm GEMMs only"), ("fused_moe_bf16_forward_backward", "prime-kernels"),
+              ("fused_moe_bf16_forward_backward", "prime-rl backward")]
+    series = [s for s in series if any((r["op"], r["impl"]) == s for r in rows)]
+    labels = list(dict.fromkeys(_shape_text(r) for r in rows if r["op"] == "fused_moe_bf16_backward"))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    width = 0.8 / max(len(series), 1)
+    for j, (op, impl) in enumerate(series):
+        for i, lab in enumerate(labels):
+            r = [r for r in rows if (r["op"], r["impl"]) == (op, impl) and _shape_text(r) == lab]
+            if not r:
+                continue
+            x = i + width * j
+            ax.bar(x, r[0]["tflops"], width=width, color=f"C{j}", hatch="//" if "forward" in op else None,
+                   label=f"{'fwd+bwd' if 'forward' in op else 'bwd'} {impl}" if i == 0 else None)
+            if "sustained" in r[0]:
+                ax.plot([x - width / 2, x + width / 2], [r[0]["sustained"]["tflops"]] * 2, color="k", lw=2)
+    ax.axhline(mm, color="k", ls="--", lw=1, label=f"8192^3 bf16 matmul {mm:.0f}")
+    ax.set_ylim(0, mm * 1.3)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, fontsize=8)
+    ax.set_ylabel("TFLOP/s (bwd 12*T*k*K*I, fwd+bwd 18*...)")
+    ax.set_title(f"MoE backward, bf16, {gpu}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def print_table(rows):
-    print(f"\n{'op':16s} {'shape':30s} {'impl':21s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'rel_err':>8s} "
+    print(f"\n{'op':31s} {'shape':30s} {'impl':21s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'rel_err':>8s} "
           f"{'q_floor':>8s}")
     for r in rows:
         tf = f"{r['tflops']:8.1f}" if "tflops" in r else " " * 8
         gb = f"{r['GBps']:6.0f}" if "GBps" in r else " " * 6
         err = f"{r['rel_err_vs_fp32']:8.2e}" if "rel_err_vs_fp32" in r else " " * 8
         fl = f"{r['quant_floor_rel_err']:8.2e}" if "quant_floor_rel_err" in r else " " * 8
-        print(f"{r['op']:16s} {_shape_text(r):30s} {r['impl']:21s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
+        print(f"{r['op']:31s} {_shape_text(r):30s} {r['impl']:21s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
 
 
 def print_sustained(mm_sustained, rows):
-    print(f"\nback to back (sustained)  {'ms':>8s} {'TFLOP/s':>8s} {'SM MHz':>7s} {'W':>6s} {'capped':>6s}")
+    print(f"\n{'back to back (sustained)':58s} {'ms':>8s} {'TFLOP/s':>8s} {'SM MHz':>7s} {'W':>6s} {'capped':>6s}")
     items = [("8192^3 bf16 matmul", mm_sustained)] + [
-        (f"{r['op'][10:]} {_moe_label(r)}", r["sustained"]) for r in rows if "sustained" in r]
+        (f"{r['op'][10:]} {r['impl']} {_moe_label(r)}", r["sustained"]) for r in rows if "sustained" in r]
     for name, v in items:
-        print(f"{name:25s} {v['ms']:8.3f} {v['tflops']:8.1f} {v.get('sm_mhz', float('nan')):7.0f} "
+        print(f"{name:58s} {v['ms']:8.3f} {v['tflops']:8.1f} {v.get('sm_mhz', float('nan')):7.0f} "
               f"{v.get('power_w', float('nan')):6.0f} {v.get('power_capped', float('nan')):6.2f}")
 
 
@@ -462,6 +614,8 @@ def main():
                          "as kernels_ms in their rows (default: on)")
     ap.add_argument("--mxfp8", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the fused_moe_mxfp8 and quantize_mxfp8 rows (default: on)")
+    ap.add_argument("--backward-shapes", default="0,1,2,3,4",
+                    help="BACKWARD_SHAPES indices to run the backward rows on ('' for none)")
     ap.add_argument("--sustained", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the matmul ceiling and our ops back to back with clock and power "
                          "sampling, recorded as `sustained` (default: on)")
@@ -537,7 +691,7 @@ def main():
         kernels = profile_kernels(ours) if args.profile else None
         print(f"{SHAPES[si]} op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
               f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
-        moe_row(rows, "fused_moe_bf16", "prime-kernels", si, ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc],
+        moe_row(rows, "fused_moe_bf16", "prime-kernels", SHAPES[si], ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc],
                 op_alone_ms_by_bpc=ms_by_bpc, kernels_ms=kernels,
                 sustained=monitor.sustained(ours, flops) if monitor else None)
 
@@ -551,14 +705,14 @@ def main():
                 return unfused(x, wg, wu, w2t, ids, wt, E)
 
             err_u = rel(peer(0))
-            moe_row(rows, "fused_moe_bf16", "grouped_mm", si, median_ms(peer, args.iters), err_u)
+            moe_row(rows, "fused_moe_bf16", "grouped_mm", SHAPES[si], median_ms(peer, args.iters), err_u)
 
             gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E)[2:] for (x, ids, _) in sets]
 
             def gemms_only(i):
                 return grouped_gemms(*gemm_inputs[i % len(gemm_inputs)], wg, wu, w2t)
 
-            moe_row(rows, "fused_moe_bf16", "grouped_mm GEMMs only", si, median_ms(gemms_only, args.iters), None,
+            moe_row(rows, "fused_moe_bf16", "grouped_mm GEMMs only", SHAPES[si], median_ms(gemms_only, args.iters), None,
                     note="the three CUTLASS grouped GEMMs of the unfused path alone, inputs pre-gathered")
             del gemm_inputs
             torch.cuda.empty_cache()
@@ -573,7 +727,7 @@ def main():
                         return liger.apply(x, w, w2, ids, wt.to(torch.bfloat16))
 
                 err_l = rel(lig(0))
-                moe_row(rows, "fused_moe_bf16", "liger", si, median_ms(lig, args.iters), err_l)
+                moe_row(rows, "fused_moe_bf16", "liger", SHAPES[si], median_ms(lig, args.iters), err_l)
             except Exception as e:  # noqa: BLE001
                 print(f"liger failed on {SHAPES[si]}: {e}")
         del aligned
@@ -581,6 +735,11 @@ def main():
             mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor)
         del w, w2, sets, outs, truth
         torch.cuda.empty_cache()
+
+    if args.backward_shapes:
+        peer = load_prime_rl_peer()
+        for bi in [int(s) for s in args.backward_shapes.split(",")]:
+            backward_rows(kernel, ref, peer, args, BACKWARD_SHAPES[bi], rows, monitor)
 
     if mx_skip is None:
         if hasattr(getattr(kernel, "ops", None), "quantize_mxfp8"):
@@ -608,6 +767,8 @@ def main():
     (out_dir / "h200.json").write_text(json.dumps(result, indent=1))
     try:
         plot(rows, copy, mm, out_dir / "h200.png", result["gpu"], ceil.get("bf16_matmul_sustained"))
+        if any(r["op"] == "fused_moe_bf16_backward" for r in rows):
+            plot_backward(rows, mm, out_dir / "h200_backward.png", result["gpu"])
     except Exception as e:  # noqa: BLE001
         print(f"no plot: {e}")
     print_table(rows)

@@ -56,6 +56,8 @@ def test_kernel_labels_name_the_gemm_roles(compare):
     assert compare.kernel_label(mangled.format(w=0, k=0)) == "gemm bf16 gate/up"
     assert compare.kernel_label(mangled.format(w=1, k=1)) == "gemm mxfp8 down"
     assert compare.kernel_label(mangled.format(w=2, k=0)) == "gemm mxfp8-f16 gate/up"
+    assert compare.kernel_label(mangled.format(w=0, k=2)) == "gemm bf16 down dgrad"
+    assert compare.kernel_label(mangled.format(w=0, k=3)) == "gemm bf16 gate/up dgrad"
     assert compare.kernel_label(mangled.format(w=7, k=0)) == "gemm weights7 gate/up"  # a new one: no crash
     assert compare.kernel_label("void flash_moe::(anonymous namespace)::reduce_kernel(int const*)") == "reduce_kernel"
 
@@ -76,3 +78,24 @@ def test_clock_samples_give_each_window_its_medians(compare):
     stats = compare.window_stats(samples, t0, t0 + 0.05)
     assert stats == {"sm_mhz": 1400, "power_w": 690.5, "power_capped": 0.67}
     assert compare.window_stats(samples, t0 + 1, t0 + 2) == {}
+
+
+def test_backward_gemms_row_computes_the_four_gemms(compare):
+    """`backward_gemms` on rows grouped by expert (offsets multiples of 128, as moe_align's) is,
+    per expert, g W2, dA|dB W, dA|dBᵀ x and gᵀ h."""
+    g = torch.Generator().manual_seed(5)
+    E, K, I, rows = 3, 64, 32, (128, 0, 256)
+    offs = torch.tensor(rows).cumsum(0).to(torch.int32)
+    L = sum(rows)
+    xs, gs = (torch.randn(L, K, generator=g).bfloat16() for _ in range(2))
+    h, dab = torch.randn(L, I, generator=g).bfloat16(), torch.randn(L, 2 * I, generator=g).bfloat16()
+    w, w2 = torch.randn(E, 2 * I, K, generator=g).bfloat16(), torch.randn(E, K, I, generator=g).bfloat16()
+    dh, dx, dw, dw2 = compare.backward_gemms(xs, gs, h, dab, offs, w, w2)
+    start = 0
+    for e, n in enumerate(rows):
+        r = slice(start, start + n)
+        start += n
+        for got, want in ((dh[r], gs[r].float() @ w2[e].float()), (dx[r], dab[r].float() @ w[e].float()),
+                          (dw[e], dab[r].float().t() @ xs[r].float()), (dw2[e], gs[r].float().t() @ h[r].float())):
+            scale = want.abs().max().item() if want.numel() else 1.0  # an empty expert: its wgrads are 0
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * max(1.0, scale))
