@@ -206,16 +206,22 @@ def torch_dequant(q, scales):
 GEMM_WEIGHTS = ("bf16", "mxfp8", "mxfp8-f16")
 # gemm::Kind, in order: the forward's two GEMMs, then the backward's (fused_moe_bf16_dgrad).
 GEMM_KINDS = ("gate/up", "down", "down dgrad", "gate/up dgrad")
+# wgrad::Kind (moe_wgrad.cuh, fused_moe_bf16_wgrad), in order.
+WGRAD_KINDS = ("down wgrad", "gate/up wgrad")
 
 
 def kernel_label(name):
     """A short name for a profiled kernel: `gemm bf16 gate/up` for moe_gemm_kernel<Weights 0, Kind 0,
-    stages>, else the `*_kernel` name (or the event's first 60 characters)."""
+    stages>, `gemm bf16 down wgrad` for moe_wgrad_kernel<Kind 0, stages>, else the `*_kernel` name
+    (or the event's first 60 characters)."""
     m = re.search(r"moe_gemm_kernel<\(flash_moe::gemm::Weights\)(\d), \(flash_moe::gemm::Kind\)(\d)", name)
     if m:
         w = int(m.group(1))
         weights = GEMM_WEIGHTS[w] if w < len(GEMM_WEIGHTS) else f"weights{w}"
         return f"gemm {weights} {GEMM_KINDS[int(m.group(2))]}"
+    m = re.search(r"moe_wgrad_kernel<\(flash_moe::wgrad::Kind\)(\d)", name)
+    if m:
+        return f"gemm bf16 {WGRAD_KINDS[int(m.group(1))]}"
     m = re.search(r"(\w+_kernel(<[^>]*>)?)", name)
     return m.group(1) if m else name[:60]
 

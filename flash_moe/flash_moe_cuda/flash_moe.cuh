@@ -119,6 +119,30 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& args, cudaStream_t
 // cudaErrorInvalidValue).
 cudaError_t fused_moe_bf16(const FusedMoeBf16Args& args, cudaStream_t stream);
 
+// ---------------------------------------------------------------- fused_moe_bf16_wgrad
+// The backward's weight gradients from fused_moe_bf16_dgrad's dab and sh (same routing
+// buffers, moe_align's layout: an expert's m-blocks consecutive) and the token rows:
+// grad_w2[e] = sum_p grad_out[tok(p)]^T sh[p], grad_w1|w3[e] = sum_p dab[p]^T x[tok(p)] over
+// expert e's live positions p, fp32 sums in position order rounded once to bf16; zeros for an
+// expert without rows. I a multiple of 64. No atomics on floats: bit-identical run to run.
+struct FusedMoeBf16WgradArgs {
+  const void* x;              // (M, K) bf16: the forward's tokens
+  const void* grad_out;       // (M, K) bf16
+  const void* dab;            // (L, 2I) bf16: fused_moe_bf16_dgrad's dA|dB
+  const void* sh;             // (L, I) bf16: fused_moe_bf16_dgrad's s*h
+  const int32_t* sorted_ids;
+  const int32_t* expert_ids;
+  const int32_t* ntpp;
+  void* grad_w1;              // (E, I, K) bf16
+  void* grad_w3;              // (E, I, K) bf16
+  void* grad_w2;              // (E, K, I) bf16
+  int64_t M, K, I, E, L;
+  int top_k;
+  void* workspace;            // fused_moe_bf16_wgrad_workspace_bytes(E, L) bytes, 256-byte aligned
+};
+size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L);
+cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& args, cudaStream_t stream);
+
 // ---------------------------------------------------------------- fused_moe_mxfp8
 struct FusedMoeMxfp8Args {
   const void* x;               // (M, K) e4m3; K and I multiples of kMxfp8KBlock

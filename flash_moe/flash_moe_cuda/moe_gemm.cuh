@@ -55,7 +55,6 @@ struct Bf16Maps {
   CUtensorMap out_rows;     // the same, kStoreRows-row boxes: output boxes with fewer live tokens
   CUtensorMap weights2;     // kGateUpDgrad: w3 (`weights` is w1; reduction rows b_second.. are w3's)
   CUtensorMap out2;         // kDownDgrad: s*h, 64 x 64 boxes
-  CUtensorMap out2_rows;    // kDownDgrad: s*h, kStoreRows-row boxes
 };
 struct Mxfp8Maps {          // the MXFP8 epilogues store from registers: no output maps
   CUtensorMap tokens;       // kDown: h rows
@@ -110,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     if constexpr (kW == Weights::kBf16)
-      consume_bf16<kKind, kStages>(&tm.out, &tm.out_rows, &tm.out2, &tm.out2_rows, p, sbase, bars, slots, nk);
+      consume_bf16<kKind, kStages>(&tm.out, &tm.out_rows, &tm.out2, p, sbase, bars, slots, nk);
     else
       consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,
                                                                                                slots, nk);

@@ -76,7 +76,7 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 
 // Per warpgroup and k16 both wgmmas read a 2 KB weight block and the tile's N token rows.
 //
-// Epilogue: 64-token x 64-feature boxes (put_box_transposed), stored by TMA (`out`; a box with
+// Epilogue: 64-token x 64-feature boxes (put_box<true>), stored by TMA (`out`; a box with
 // fewer live tokens in kStoreRows-row pieces through `out_rows`, so no store reaches past the tile's
 // rows into a peer CTA's). Shared memory leaves room for one 8 KB box per warpgroup
 // (SmemPlan::kEpiOffset), so the warpgroup keeps its tile's last stage (`held`) and writes its
@@ -85,10 +85,10 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 // stage is released once the stores have read it, after the next tile's first wgmmas are issued
 // (the producer is then kStages - 1 ahead). Tokens kBM.. of a longer tile are stored from
 // registers.
-// kDownDgrad: out / out_rows store dA|dB, out2 / out2_rows s*h (DgradBoxes).
+// kDownDgrad: out stores dA|dB, out2 s*h, whole 64-row boxes (DgradBoxes).
 template <Kind kKind, int kStages>
 __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows, const CUtensorMap* out2,
-                             const CUtensorMap* out2_rows, const GemmParams& p, uint32_t sbase,
+                             const GemmParams& p, uint32_t sbase,
                              const Barriers<kStages>& bars, const TileSlots& slots, int nk) {
   using Plan = SmemPlan<kStages>;
   constexpr int kExtra = kMaxRows - kBM;
@@ -100,14 +100,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
   zero_fill(acc1);
   HandOff handoff;
   uint32_t it;  // stages taken so far
-  int held = -1;  // the stage kept for this warpgroup's output boxes, or -1
-  const auto release_held = [&] {
-    if (held < 0) return;
-    if (q == 0) bulk_wait_read<0>();  // also frees the warpgroup's box at kEpiOffset
-    named_barrier_sync(kEpilogueBarrier + cw, 128);
-    if (lane == 0) bars.release(held);
-    held = -1;
-  };
+  HeldStage<kStages> held;
   // kN: the tile's wgmma N, 8 .. kMaxRows tokens.
   auto mainloop = [&](auto n_tokens) {
     constexpr int kN = decltype(n_tokens)::value;
@@ -129,14 +122,14 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
         wgmma_ss_bf16<kN, mn_major(kKind)>(acc1, d1, dt, sc);
       }
       wgmma_commit();
-      if (kb == 0) release_held();
+      if (kb == 0) held.release(bars, cw);
       if (kb > 0) {
         wgmma_wait<1>();
         if (lane == 0) bars.release((it - 1) % kStages);
       }
     }
     wgmma_wait<0>();
-    held = (it - 1) % kStages;
+    held.stage = (it - 1) % kStages;
   };
   for (uint32_t t = 0;; ++t) {
     it = t * nk;  // see ConsumerThread
@@ -164,7 +157,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       n = __shfl_sync(0xffffffffu, (n + 7) & ~7, 0);  // the same in every thread: see ConsumerThread
     }
     if (n == 0) {
-      release_held();
+      held.release(bars, cw);
       pass_tile(bars, it, nk, lane);
       if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
@@ -177,8 +170,8 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       named_barrier_sync(kEpilogueBarrier + cw, 128);
     }
     if constexpr (kKind == Kind::kDownDgrad) {
-      const uint32_t held_boxes = sbase + held * Plan::kStageBytes + Plan::kABytes;
-      const DgradBoxes boxes{out, out_rows, out2, out2_rows, weight_block<kKind>(held_boxes, cw, 0),
+      const uint32_t held_boxes = sbase + held.stage * Plan::kStageBytes + Plan::kABytes;
+      const DgradBoxes boxes{out, out2, weight_block<kKind>(held_boxes, cw, 0),
                              weight_block<kKind>(held_boxes, cw, 1), sbase + Plan::kEpiOffset + cw * (Plan::kEpiBytes / 2)};
       swiglu_dgrad_epilogue(p, tile, n, acc0, acc1, cw, w4, lane, wt, boxes);
       continue;
@@ -200,7 +193,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
     // token halves).
     constexpr int kBlocks = kKind == Kind::kGateUp ? 1 : 2;  // 64-feature blocks this warpgroup stores
     const int nt = n > 64 ? 2 : 1;
-    const uint32_t held_boxes = sbase + held * Plan::kStageBytes + Plan::kABytes;
+    const uint32_t held_boxes = sbase + held.stage * Plan::kStageBytes + Plan::kABytes;
 #pragma unroll
     for (int block = 0; block < kBlocks; ++block)
 #pragma unroll
@@ -217,7 +210,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
           named_barrier_sync(kEpilogueBarrier + cw, 128);
           box = weight_block<kKind>(held_boxes, cw, 0);
         }
-        put_box_transposed(box, tb, w4, lane, [&](int a) { return value(block, a); });
+        put_box<true>(box, tb, w4, lane, [&](int a) { return value(block, a); });
         fence_proxy_async_shared();
         named_barrier_sync(kEpilogueBarrier + cw, 128);
         if (q == 0) {
@@ -250,7 +243,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
     }
     if (kKind == Kind::kGateUp && p.gate_up.preact) store_preact(p, tile, n, acc0, acc1, cw, w4, lane);
   }
-  release_held();
+  held.release(bars, cw);
   if (q == 0) bulk_wait_all();
   if (kKind == Kind::kGateUp) handoff.flush<true>(p, kTileBarrier + cw);
 }

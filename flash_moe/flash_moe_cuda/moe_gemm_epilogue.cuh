@@ -1,5 +1,5 @@
 // Epilogue pieces: SwiGLU's arithmetic (both formats), and the bf16 path's 64 x 64 output boxes
-// the consumers stage in shared memory for TMA stores (put_box_transposed). The MXFP8 path's
+// the consumers stage in shared memory for TMA stores (put_box). The MXFP8 path's
 // register stores are in moe_gemm_epilogue_mxfp8.cuh.
 #pragma once
 
@@ -28,16 +28,18 @@ __device__ __forceinline__ float silu_times(float g, float u) {
   return __fdividef(g, 1.f + e) * u;
 }
 
-// The consumers' tiles (weights as M, tokens as N; moe_gemm_consumer.cuh): thread
-// (w4, lane) holds features 16 w4 + lane/4 + 8h of a 64-feature block for tokens
-// 8j + 2(lane%4) + e, in accumulator a = 4j + 2h + e. put_box_transposed writes tokens
-// 64 tb .. 64 tb + 63 of the block, value(a) each, as a 64 x 64 bf16 box at `box` (1024-byte
-// aligned): a 128-byte row per token in the 128-byte swizzle, as the output's TMA map reads it.
-// stmatrix .trans stores fragment matrix (h, j) transposed: lane L addresses token row
-// 8(j - 8 tb) + L%8 of matrix (h, j) = (L/8 % 2, j0 + L/16), whose 8 features are the 16-byte
-// chunk 2 w4 + h of that row.
-template <class Value>
-__device__ __forceinline__ void put_box_transposed(uint32_t box, int tb, int w4, int lane, Value value) {
+// The consumers' tiles (features as M, columns as N: tokens in the forward and the dgrads,
+// B's features in the wgrads): thread (w4, lane) holds features 16 w4 + lane/4 + 8h of a
+// 64-feature block for columns 8j + 2(lane%4) + e, in accumulator a = 4j + 2h + e. put_box
+// writes columns 64 tb .. 64 tb + 63 of the block, value(a) each, as a 64 x 64 bf16 box at `box`
+// (1024-byte aligned) in the 128-byte swizzle the output's TMA map reads, fragment matrix (h, j)
+// by fragment matrix, lane L addressing a row of matrix (h, j) = (L/8 % 2, j0 + L/16):
+//   kTransposed (h, Y, grad_W2: features contiguous): a 128-byte row per column, stmatrix .trans;
+//     lane L addresses column row 8(j - 8 tb) + L%8, whose 8 features are chunk 2 w4 + h;
+//   else (grad_W1|W3: columns contiguous): a 128-byte row per feature, stmatrix; lane L addresses
+//     feature row 16 w4 + 8h + L%8, whose 8 columns are chunk j - 8 tb.
+template <bool kTransposed, class Value>
+__device__ __forceinline__ void put_box(uint32_t box, int tb, int w4, int lane, Value value) {
   const int mh = (lane >> 3) & 1, mj = lane >> 4, mi = lane & 7;
 #pragma unroll
   for (int jj = 0; jj < 8; jj += 2) {
@@ -49,8 +51,13 @@ __device__ __forceinline__ void put_box_transposed(uint32_t box, int tb, int w4,
         const int a = 4 * (8 * tb + jj + dj) + 2 * h;
         v[dj][h] = bf16x2_bits(value(a), value(a + 1));
       }
-    const int t = 8 * (jj + mj) + mi;
-    stmatrix_x4_trans(box + t * 128 + (((2 * w4 + mh) ^ (t & 7)) << 4), v[0][0], v[0][1], v[1][0], v[1][1]);
+    if constexpr (kTransposed) {
+      const int t = 8 * (jj + mj) + mi;
+      stmatrix_x4_trans(box + t * 128 + (((2 * w4 + mh) ^ (t & 7)) << 4), v[0][0], v[0][1], v[1][0], v[1][1]);
+    } else {
+      const int row = 16 * w4 + 8 * mh + mi;
+      stmatrix_x4(box + row * 128 + (((jj + mj) ^ (row & 7)) << 4), v[0][0], v[0][1], v[1][0], v[1][1]);
+    }
   }
 }
 

@@ -10,7 +10,9 @@
 //                                                 and the gate/up wgrad's operand
 //   s h                                        -> (L, I) bf16: the down wgrad's operand
 // so neither the expert outputs nor their gradients are stored. The three outputs leave as
-// 64 x 64 boxes through shared memory by TMA, as the forward's h does.
+// 64 x 64 boxes through shared memory by TMA, as the forward's h does. Every row of the m-block
+// is written, padding rows as zeros: the weight-gradient GEMMs read dA|dB and s*h by TMA in
+// 64-row blocks up to an expert's last live row, and multiply what lies past it by zeros.
 #pragma once
 
 #include "moe_gemm_epilogue.cuh"
@@ -45,24 +47,23 @@ __device__ __forceinline__ float fast_sigmoid(float a) {
   return __fdividef(1.f, 1.f + e);
 }
 
-// Where kDownDgrad's boxes go: dA|dB (out, out_rows: columns f and I + f), s*h (out2,
-// out2_rows), and the warpgroup's three 8 KB staging slots (its two weight blocks of the held
-// stage, and its box at SmemPlan::kEpiOffset), one per output.
+// Where kDownDgrad's boxes go: dA|dB (out: columns f and I + f), s*h (out2), and the
+// warpgroup's three 8 KB staging slots (its two weight blocks of the held stage, and its box at
+// SmemPlan::kEpiOffset), one per output.
 struct DgradBoxes {
   const CUtensorMap* dab;
-  const CUtensorMap* dab_rows;
   const CUtensorMap* sh;
-  const CUtensorMap* sh_rows;
   uint32_t slot[3];
 };
 
 // Warpgroup cw's part of a kDownDgrad tile: features 256 nb + 128 cw + 64 b (b = 0, 1: acc0,
-// acc1) for the n (<= kBM, a multiple of 8) tokens from tile.m0. wt: the tokens' router weights
-// (shared memory, a float each). A block whose features are past I stores nothing.
+// acc1) for the n (<= kBM, a multiple of 8) tokens from tile.m0, and zeros for the m-block's
+// rows n.. (no pre-activations read there). wt: the tokens' router weights (shared memory, a
+// float each; 0 for padding). A block whose features are past I stores nothing.
 //
 // One pass per 64-token half of a block, two 8-token groups (two preact chunks) at a time; each
 // element's sigmoid feeds all four results: the score term, then dA, dB and s*h, which go to
-// the three slots (stmatrix .trans, as put_box_transposed) and leave as three TMA stores. The
+// the three slots (stmatrix .trans, as put_box<true>) and leave as three TMA stores. The
 // score partials are per warp and per block: part[((nb * 2 + cw) * 2 + b) * 4 + w4][position].
 __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const Tile& tile, int n,
                                                       const float (&acc0)[72], const float (&acc1)[72], int cw, int w4,
@@ -70,7 +71,6 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
   const int q = threadIdx.x & 127;
   const int g0 = 4 * tile.nb + 2 * cw;  // the 64-feature group of block 0
   const int J0 = tile.m0 >> 3;
-  const int nt = n > 64 ? 2 : 1;
   const int mh = (lane >> 3) & 1, mj = lane >> 4, mi = lane & 7;  // stmatrix .trans addressing
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
@@ -79,7 +79,6 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
     float* part = p.dgrad.score_part + (int64_t)(((tile.nb * 2 + cw) * 2 + b) * 4 + w4) * p.L + tile.m0;
 #pragma unroll
     for (int tb = 0; tb < 2; ++tb) {
-      if (tb >= nt) break;
       if (b + tb > 0) {  // the slots' previous boxes have been read by their stores
         if (q == 0) bulk_wait_read<0>();
         named_barrier_sync(kEpilogueBarrier + cw, 128);
@@ -89,11 +88,18 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
         uint4 c[2];
 #pragma unroll
         for (int dj = 0; dj < 2; ++dj)
-          c[dj] = __ldg(p.gate_up.preact + preact_chunk(g0 + b, J0 + 8 * tb + jj + dj, p.L, w4, lane));
+          c[dj] = 8 * (8 * tb + jj + dj) < n
+                      ? __ldg(p.gate_up.preact + preact_chunk(g0 + b, J0 + 8 * tb + jj + dj, p.L, w4, lane))
+                      : make_uint4(0u, 0u, 0u, 0u);
         uint32_t v[3][2][2];  // [output][dj][h]: bf16x2 of tokens e = 0, 1
 #pragma unroll
         for (int dj = 0; dj < 2; ++dj) {
           const int j = 8 * tb + jj + dj;
+          if (8 * j >= n) {  // rows past the tile's tokens: zeros (the accumulators are stale)
+#pragma unroll
+            for (int o = 0; o < 3; ++o) v[o][dj][0] = v[o][dj][1] = 0u;
+            continue;
+          }
           const uint4 cj = c[dj];
           const uint32_t gate[2] = {cj.x, cj.y}, up[2] = {cj.z, cj.w};
           float score[2] = {0.f, 0.f};
@@ -133,17 +139,9 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
       fence_proxy_async_shared();
       named_barrier_sync(kEpilogueBarrier + cw, 128);
       if (q == 0) {
-        const int row = tile.m0 + 64 * tb, box_rows = n - 64 * tb < 64 ? n - 64 * tb : 64;
 #pragma unroll
-        for (int o = 0; o < 3; ++o) {
-          const CUtensorMap* full = o == 2 ? boxes.sh : boxes.dab;
-          const CUtensorMap* rows = o == 2 ? boxes.sh_rows : boxes.dab_rows;
-          const int col = o == 1 ? p.n_out + f : f;
-          if (box_rows == 64)
-            tma_store_2d(full, boxes.slot[o], col, row);
-          else
-            for (int rr = 0; rr < box_rows; rr += kStoreRows) tma_store_2d(rows, boxes.slot[o] + rr * 128, col, row + rr);
-        }
+        for (int o = 0; o < 3; ++o)
+          tma_store_2d(o == 2 ? boxes.sh : boxes.dab, boxes.slot[o], o == 1 ? p.n_out + f : f, tile.m0 + 64 * tb);
         bulk_commit_group();
       }
     }

@@ -73,6 +73,21 @@ struct Barriers {
   }
 };
 
+// A consumer warpgroup's hold on its tile's last stage, over whose shared memory its epilogue
+// stages output boxes (besides its own box): released once the boxes' TMA stores have read
+// them, after the next tile's first wgmmas are issued (the producer is then kStages - 1 ahead).
+template <int kStages>
+struct HeldStage {
+  int stage = -1;
+  __device__ void release(const Barriers<kStages>& bars, int cw) {
+    if (stage < 0) return;
+    if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();  // also frees the warpgroup's own box
+    named_barrier_sync(kEpilogueBarrier + cw, 128);
+    if ((threadIdx.x & 31) == 0) bars.release(stage);
+    stage = -1;
+  }
+};
+
 // The gate/up GEMM's producer threads that gather token rows: all 128, or warps 1-3 when warp 0
 // issues the weight copies (kLoaderWarp, the MXFP8 GEMMs; see produce_tiles).
 template <bool kLoaderWarp>

@@ -100,6 +100,11 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* tm, uint32_t src
                "r"(c1), "r"(src)
                : "memory");
 }
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tm, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(tm), "r"(c0),
+               "r"(c1), "r"(c2), "r"(src)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Wait until at most kPending of the committed store groups may still read their shared-memory
 // source (0: every store has finished reading).
@@ -132,6 +137,13 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
 // l/8, and that smem row receives column l%8 of the matrix (8 b16, 16 bytes).
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+// The same four matrices stored as they are: lane l gives the address of row l%8 of matrix l/8,
+// which receives that matrix row (8 b16, 16 bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
                "r"(r2), "r"(r3)
                : "memory");
 }
@@ -243,8 +255,9 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr) {
 
 // Descriptor of an M-major (MN-major) operand tile in the 128-byte swizzle, as a TMA box of 64
 // M-elements (one 128-byte row) by k rows lands: each k row is 128 bytes, 8-row groups of k are
-// 1024 bytes apart (the stride byte offset); a wgmma's m64 is one row wide, so the leading byte
-// offset (the stride between 64-element M chunks) is never used.
+// 1024 bytes apart (the stride byte offset); the leading byte offset is the stride between
+// 64-element chunks of M (or N), one 64-row box (8 KB) apart: unused at m64 (one chunk), read by
+// the weight gradients' N-major n128 operand (two boxes back to back).
 __device__ __forceinline__ uint64_t make_desc_sw128_mn(uint32_t addr) {
   uint64_t d = 0;
   d |= (uint64_t)((addr & 0x3FFFF) >> 4);
@@ -298,13 +311,14 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
 // kN/8 - 1). Every wrapper lists all 72 registers as operands (the instruction names only the
 // first kN / 2), so one operand numbering serves every N: desc_a %72, desc_b %73, scale_d %74.
 // kTransA: A is M-major (imm-trans-a = 1): the backward's weight operands, whose M index (the
-// output feature) is the contiguous one in memory (make_desc_sw128_mn).
+// output feature) is the contiguous one in memory (make_desc_sw128_mn). kTransB: B is N-major
+// (imm-trans-b = 1): the weight gradients' token rows, features contiguous.
 #define FM_WGMMA_SS(N, REGS)                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"                                      \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, %72, %73, p, 1, 1, %75, 0;\n}\n" \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, %72, %73, p, 1, 1, %75, %76;\n}\n" \
                : FM_WGMMA_ACC72                                                                     \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA ? 1 : 0))
-template <int kN, bool kTransA = false>
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0))
+template <int kN, bool kTransA = false, bool kTransB = false>
 __device__ __forceinline__ void wgmma_ss_bf16(float (&d)[72], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   static_assert(kN % 8 == 0 && kN >= 8 && kN <= 144, "wgmma_ss_bf16: N = 8, 16, .., 144");
   if constexpr (kN == 8)

@@ -55,6 +55,8 @@ def test_kernel_labels_name_the_gemm_roles(compare):
                "(CUtensorMap_st, CUtensorMap_st, CUtensorMap_st, flash_moe::gemm::GemmParams)")
     assert compare.kernel_label(mangled.format(w=0, k=0)) == "gemm bf16 gate/up"
     assert compare.kernel_label(mangled.format(w=1, k=1)) == "gemm mxfp8 down"
+    wgrad = "void flash_moe::wgrad::moe_wgrad_kernel<(flash_moe::wgrad::Kind){k}, 4>(flash_moe::wgrad::Maps, ...)"
+    assert compare.kernel_label(wgrad.format(k=1)) == "gemm bf16 gate/up wgrad"
     assert compare.kernel_label(mangled.format(w=2, k=0)) == "gemm mxfp8-f16 gate/up"
     assert compare.kernel_label(mangled.format(w=0, k=2)) == "gemm bf16 down dgrad"
     assert compare.kernel_label(mangled.format(w=0, k=3)) == "gemm bf16 gate/up dgrad"

@@ -1,8 +1,9 @@
 """The differentiable `moe`'s backwards on the CPU: the composed `moe_backward` and the fused
-path's `fused_backward` (with the reference `fused_moe_bf16_dgrad` standing in for the kernel),
+path's `fused_backward` (with the reference `fused_moe_bf16_dgrad` and `fused_moe_bf16_wgrad` standing
+in for the kernels),
 their gradients against fp64 autograd through the reference, with the reference `moe_align`
 standing in for the kernel's (same layout); and the pre-activation layout. The GPU tests
-(test_moe_backward_gpu.py, test_fused_dgrad_gpu.py) run them with the kernels."""
+(test_moe_backward_gpu.py, test_fused_dgrad_gpu.py, test_fused_wgrad_gpu.py) run them with the kernels."""
 
 import pathlib
 
@@ -22,7 +23,8 @@ def functional(reference):
     return kernel_package.load_submodule(
         "flash_moe_functional_parent", MEMBER_DIR / "torch-ext" / "flash_moe", "functional",
         moe_align=reference.moe_align, fused_moe_bf16=unused, fused_moe_mxfp8=unused, quantize_mxfp8=unused,
-        fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, preact_numel=lambda L, I: 2 * L * I)
+        fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
+        preact_numel=lambda L, I: 2 * L * I)
 
 
 def _rel(a, b):

@@ -283,11 +283,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
   check_preact(preact, grad_out, d, op);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   auto opt = grad_out.options();
-  // dA|dB and s*h are zero where no tile writes (padding rows): the grouped-GEMM wgrads read
-  // every row of an expert's padded run.
+  // dA|dB and s*h: every row of the m-blocks of valid experts is written (padding rows as
+  // zeros); rows past them are left as allocated.
   at::Tensor grad_x = at::empty({d.M, d.K}, opt);
-  at::Tensor dab = at::zeros({d.L, 2 * d.I}, opt);
-  at::Tensor sh = at::zeros({d.L, d.I}, opt);
+  at::Tensor dab = at::empty({d.L, 2 * d.I}, opt);
+  at::Tensor sh = at::empty({d.L, d.I}, opt);
   at::Tensor score = at::empty({d.M, top_k}, opt.dtype(at::kFloat));
   if (d.M == 0) return {grad_x, dab, sh, score};
   at::Tensor ws =
@@ -307,6 +307,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
   const cudaError_t err = flash_moe::fused_moe_bf16_dgrad(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
   return {grad_x, dab, sh, score};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
+    const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dab, const at::Tensor& sh,
+    const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
+    int64_t num_experts, int64_t top_k) {
+  const char* op = "fused_moe_bf16_wgrad";
+  check_cuda_contig(x, op, "x");
+  check_dtype(x, at::kBFloat16, op, "x");
+  PK_CHECK(x.dim() == 2, op, ": x must be 2-D (M, K), got shape ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), E = num_experts;
+  PK_CHECK(K > 0 && K % 8 == 0, op, ": x.size(1) (K) must be a positive multiple of 8, got ", K);
+  PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": num_experts must be in [1, ", flash_moe::kMaxExperts,
+           "], got ", E);
+  PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
+           "], got ", top_k);
+  PK_CHECK(M * top_k + E * flash_moe::kBlockM < (int64_t(1) << 31), op,
+           ": M*top_k must be below 2^31 - E*block_m, got ", M * top_k);
+  const std::pair<const at::Tensor*, const char*> tensors[] = {
+      {&grad_out, "grad_out"}, {&dab, "dab"}, {&sh, "sh"}, {&sorted_token_ids, "sorted_token_ids"},
+      {&expert_ids, "expert_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}};
+  for (const auto& [t, name] : tensors) {
+    check_cuda_contig(*t, op, name);
+    check_same_device(*t, x, op, name);
+  }
+  check_dtype(grad_out, at::kBFloat16, op, "grad_out");
+  check_dtype(dab, at::kBFloat16, op, "dab");
+  check_dtype(sh, at::kBFloat16, op, "sh");
+  check_dtype(sorted_token_ids, at::kInt, op, "sorted_token_ids");
+  check_dtype(expert_ids, at::kInt, op, "expert_ids");
+  check_dtype(num_tokens_post_padded, at::kInt, op, "num_tokens_post_padded");
+  PK_CHECK(grad_out.sizes() == x.sizes(), op, ": grad_out must have x's shape ", x.sizes(), ", got ",
+           grad_out.sizes());
+  PK_CHECK(sorted_token_ids.dim() == 1, op, ": sorted_token_ids must be 1-D, got shape ", sorted_token_ids.sizes());
+  const int64_t L = sorted_token_ids.size(0);
+  const int64_t need = aligned_length(M * top_k, E, flash_moe::kBlockM);
+  PK_CHECK(L >= need && L % flash_moe::kBlockM == 0 && L < (int64_t(1) << 31), op,
+           ": sorted_token_ids must have moe_align's length ceil((M*top_k + E*(block_m-1))/block_m)*block_m = ", need,
+           " (or longer, a multiple of block_m, below 2^31), got ", L);
+  PK_CHECK(expert_ids.dim() == 1 && expert_ids.size(0) >= L / flash_moe::kBlockM, op,
+           ": expert_ids must be 1-D with at least len(sorted_token_ids)/block_m = ", L / flash_moe::kBlockM,
+           " entries, got shape ", expert_ids.sizes());
+  PK_CHECK(num_tokens_post_padded.numel() >= 1, op,
+           ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
+  PK_CHECK(sh.dim() == 2 && sh.size(0) == L && sh.size(1) > 0, op,
+           ": sh must have shape (len(sorted_token_ids), I) = (", L, ", I), got ", sh.sizes());
+  const int64_t I = sh.size(1);
+  PK_CHECK(I % 64 == 0, op, ": I = sh.size(1) must be a multiple of 64 (the backward's 64-feature groups), got ", I);
+  PK_CHECK(dab.dim() == 2 && dab.size(0) == L && dab.size(1) == 2 * I, op,
+           ": dab must have shape (len(sorted_token_ids), 2*I) = (", L, ", ", 2 * I, "), got ", dab.sizes());
+  for (const auto& [t, name] : tensors) check_aligned16(*t, op, name);
+  check_aligned16(x, op, "x");
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto opt = x.options();
+  at::Tensor grad_w1 = at::empty({E, I, K}, opt), grad_w3 = at::empty({E, I, K}, opt);
+  at::Tensor grad_w2 = at::empty({E, K, I}, opt);
+  at::Tensor ws = at::empty({(int64_t)flash_moe::fused_moe_bf16_wgrad_workspace_bytes(E, L)}, opt.dtype(at::kByte));
+  flash_moe::FusedMoeBf16WgradArgs a{};
+  a.x = x.data_ptr();
+  a.grad_out = grad_out.data_ptr();
+  a.dab = dab.data_ptr();
+  a.sh = sh.data_ptr();
+  a.sorted_ids = sorted_token_ids.data_ptr<int32_t>();
+  a.expert_ids = expert_ids.data_ptr<int32_t>();
+  a.ntpp = num_tokens_post_padded.data_ptr<int32_t>();
+  a.grad_w1 = grad_w1.data_ptr();
+  a.grad_w3 = grad_w3.data_ptr();
+  a.grad_w2 = grad_w2.data_ptr();
+  a.M = M;
+  a.K = K;
+  a.I = I;
+  a.E = E;
+  a.L = L;
+  a.top_k = (int)top_k;
+  a.workspace = ws.data_ptr();
+  const cudaError_t err = flash_moe::fused_moe_bf16_wgrad(a, at::cuda::getCurrentCUDAStream());
+  PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
+  return {grad_w1, grad_w3, grad_w2};
 }
 
 void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
@@ -428,6 +507,11 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "(Tensor, Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_dgrad", torch::kCUDA, &fused_moe_bf16_dgrad);
   ops.impl("fused_moe_bf16_dgrad", torch::kCPU, &fused_moe_bf16_dgrad);
+  ops.def(
+      "fused_moe_bf16_wgrad(Tensor x, Tensor grad_out, Tensor dab, Tensor sh, Tensor sorted_token_ids, "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k) -> (Tensor, Tensor, Tensor)");
+  ops.impl("fused_moe_bf16_wgrad", torch::kCUDA, &fused_moe_bf16_wgrad);
+  ops.impl("fused_moe_bf16_wgrad", torch::kCPU, &fused_moe_bf16_wgrad);
   ops.def(
       "fused_moe_mxfp8(Tensor x, Tensor x_scales, Tensor w, Tensor w_scales, Tensor w2, Tensor w2_scales, "
       "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, "

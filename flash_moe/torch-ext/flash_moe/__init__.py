@@ -8,6 +8,8 @@ Public surface (docs/DESIGN.md §5):
   out, top_k, ...)`` -> out (written in place).
 - ``fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, ...)`` -> (grad_x, dA|dB, s*h, score): the
   backward's data gradients from the pre-activations ``fused_moe_bf16(..., preact=)`` saved.
+- ``fused_moe_bf16_wgrad(x, grad_out, dab, sh, ...)`` -> (grad_w1, grad_w3, grad_w2): the
+  backward's weight gradients from the dgrad's dA|dB and s*h.
 - ``fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids,
   num_tokens_post_padded, topk_weights, out, top_k, ...)`` -> out: the same MoE with MXFP8 (e4m3
   + e8m0 per 32 elements) inputs, exact MX semantics.
@@ -48,6 +50,7 @@ __all__ = [
     "moe_align",
     "fused_moe_bf16",
     "fused_moe_bf16_dgrad",
+    "fused_moe_bf16_wgrad",
     "preact_numel",
     "fused_moe_mxfp8",
     "moe",
@@ -224,8 +227,9 @@ def fused_moe_bf16_dgrad(
         grad_x: (M, K) bf16, sum over the token's slots (ascending k, fp32) of
             dA @ w1[e] + dB @ w3[e] (each slot's row rounded to bf16).
         dab: (L, 2I) bf16 by sorted position: s * (g W2[e]) * u * silu'(a) | s * (g W2[e]) * silu(a);
-            zero at padding positions.
-        sh: (L, I) bf16 by sorted position: s * h; zero at padding positions.
+            zero at padding positions of the experts' m-blocks; rows past them (from
+            num_tokens_post_padded) are unspecified.
+        sh: (L, I) bf16 by sorted position: s * h; as dab at padding positions.
         score: (M, top_k) fp32, d out / d topk_weights = <g W2[e], h>; 0 for dropped slots.
 
     dab and sh are the wgrads' operands: grad_w1|w3[e] = dab_e^T x_e, grad_w2[e] = g_e^T sh_e.
@@ -235,6 +239,36 @@ def fused_moe_bf16_dgrad(
     """
     return ops.fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     topk_weights, int(top_k))
+
+
+def fused_moe_bf16_wgrad(
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    dab: torch.Tensor,
+    sh: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+):
+    """Weight gradients of `fused_moe_bf16` from `fused_moe_bf16_dgrad`'s dab and sh.
+
+    For each expert e, over its live sorted positions p (slot s = sorted_token_ids[p], token
+    t = s // top_k), fp32 sums in position order, rounded once:
+
+    Returns:
+        grad_w1, grad_w3: (E, I, K) bf16, sum_p dab[p, :I] (resp. dab[p, I:]) outer x[t].
+        grad_w2: (E, K, I) bf16, sum_p grad_out[t] outer sh[p].
+        An expert with no live position gets zeros.
+
+    x, grad_out: (M, K) bf16; dab (L, 2I), sh (L, I) bf16 as fused_moe_bf16_dgrad returned them
+    for the same routing buffers (moe_align's layout: an expert's m-blocks consecutive, padding
+    after its live rows); I % 64 == 0. Each output tile is one CTA's (no float atomics):
+    bit-identical run to run; no host synchronisation.
+    """
+    return ops.fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                                    int(num_experts), int(top_k))
 
 
 def fused_moe_mxfp8(
@@ -351,6 +385,13 @@ def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, e
     L, I = sorted_token_ids.shape[0], w1.shape[1]
     return (grad_out.new_empty(grad_out.shape), grad_out.new_empty((L, 2 * I)), grad_out.new_empty((L, I)),
             grad_out.new_empty(topk_weights.shape, dtype=torch.float32))
+
+
+@torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_wgrad"))
+def _fused_moe_bf16_wgrad_fake(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                               num_experts, top_k):
+    (M, K), I = x.shape, sh.shape[1]
+    return (x.new_empty((num_experts, I, K)), x.new_empty((num_experts, I, K)), x.new_empty((num_experts, K, I)))
 
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_mxfp8"))

@@ -9,7 +9,8 @@ inputs (straight-through), as prime-rl's layer does.
 Two backwards, one per shape class:
 - `fused_backward` (I % 64 == 0, every shape of DESIGN): the bf16 forward saves the gate/up
   pre-activations (2 * L * I bf16, `preact`) and `fused_moe_bf16_dgrad` turns grad_out into
-  grad_x, dA|dB, s*h and the score gradient in two fused GEMMs; the wgrads are grouped GEMMs.
+  grad_x, dA|dB, s*h and the score gradient in two fused GEMMs, and `fused_moe_bf16_wgrad` the
+  three weight gradients in two more (each expert's token rows gathered in the operand loads).
 - `moe_backward` (any shape): composed from grouped GEMMs over moe_align's padded layout, the
   pre-activations recomputed; the reference the fused path is tested beside.
 """
@@ -19,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fused_moe_bf16, fused_moe_bf16_dgrad, fused_moe_mxfp8, moe_align, preact_numel, quantize_mxfp8
+from . import (fused_moe_bf16, fused_moe_bf16_dgrad, fused_moe_bf16_wgrad, fused_moe_mxfp8, moe_align, preact_numel,
+               quantize_mxfp8)
 
 
 def _live(sorted_ids: torch.Tensor, ntpp: torch.Tensor, n_slots: int):
@@ -129,11 +131,10 @@ def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> 
 
 def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5):
     """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
-    the score gradient from the saved pre-activations), then the two wgrads as grouped GEMMs over
-    each expert's rows (torch._grouped_mm on gathered token rows, for now). Same contract as
-    `moe_backward`."""
+    the score gradient from the saved pre-activations), then `fused_moe_bf16_wgrad` (the three
+    weight gradients, each expert's rows the reduction). Same contract as `moe_backward`."""
     sorted_ids, expert_ids, ntpp, top_k = routing
-    E, I, K = w1.shape
+    E = w1.shape[0]
     bf = torch.bfloat16
     g = grad_out.to(bf).contiguous()
     gx, dab, sh, score = fused_moe_bf16_dgrad(g, w1.to(bf).contiguous(), w3.to(bf).contiguous(), w2.to(bf).contiguous(),
@@ -141,23 +142,8 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
                                               topk_weights.to(torch.float32).contiguous(), top_k)
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
     if any(needs_input_grad[1:4]):
-        M = x.shape[0]
-        live = _live(sorted_ids, ntpp, topk_weights.numel())[1]
-        row = torch.where(live, sorted_ids.long() // top_k, M)  # padding reads the zero row M
-        offs = _group_ends(expert_ids, E, sorted_ids.numel())
-
-        def by_position(t):  # (L, K) token rows by sorted position, zero at padding positions
-            return torch.cat([t.to(bf), t.new_zeros(1, K, dtype=bf)])[row]
-
-        if needs_input_grad[1] or needs_input_grad[3]:
-            xs = by_position(x)
-            if needs_input_grad[1]:
-                grads[1] = torch._grouped_mm(dab[:, :I].t(), xs, offs=offs)  # (E, I, K)
-            if needs_input_grad[3]:
-                grads[3] = torch._grouped_mm(dab[:, I:].t(), xs, offs=offs)
-            del xs
-        if needs_input_grad[2]:
-            grads[2] = torch._grouped_mm(by_position(g).t(), sh, offs=offs)  # (E, K, I)
+        gw1, gw3, gw2 = fused_moe_bf16_wgrad(x.to(bf).contiguous(), g, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k)
+        grads[1:4] = [t if need else None for t, need in zip((gw1, gw2, gw3), needs_input_grad[1:4])]
     inputs = (x, w1, w2, w3, topk_weights)
     return tuple(None if t is None else t.to(i.dtype).contiguous() for t, i in zip(grads, inputs))
 

@@ -244,6 +244,28 @@ def fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_
     return grad_x, dab.bfloat16(), sh.bfloat16(), score.view(M, top_k)
 
 
+def fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded, num_experts,
+                         top_k, block_m: int = BLOCK_M):
+    """Reference of `flash_moe.fused_moe_bf16_wgrad`, in fp32: over expert e's live positions p
+    (slot s, token t = s // top_k), grad_w1|w3[e] = sum_p dab[p, :I | I:] outer x[t] (E, I, K) and
+    grad_w2[e] = sum_p grad_out[t] outer sh[p] (E, K, I), bf16; zeros for an expert without rows."""
+    M, K = x.shape
+    L, I = sh.shape
+    live = _live_positions(sorted_token_ids, num_tokens_post_padded, M * top_k)
+    expert = expert_ids.to(torch.int64).repeat_interleave(block_m)[:L]
+    gw = torch.zeros(num_experts, 2 * I, K, device=x.device)
+    gw2 = torch.zeros(num_experts, K, I, device=x.device)
+    for e in range(num_experts):
+        p = torch.nonzero(live & (expert == e)).flatten()
+        if p.numel() == 0:
+            continue
+        t = sorted_token_ids[p].long() // top_k
+        gw[e] = dab[p].float().t() @ x[t].float()
+        gw2[e] = grad_out[t].float().t() @ sh[p].float()
+    gw = gw.bfloat16()
+    return gw[:, :I].contiguous(), gw[:, I:].contiguous(), gw2.bfloat16()
+
+
 def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
                     topk_weights, out, top_k, block_m: int = BLOCK_M, block_n: int = 128, warp_n: int = 128,
                     stages: int = 6, bpc: int = 1, cpc: int = 1, split: bool = True):

@@ -1,0 +1,124 @@
+// fused_moe_bf16_wgrad (Hopper, sm_90a): the weight gradients of the bf16 MoE from what
+// fused_moe_bf16_dgrad wrote (dA|dB and s*h by sorted position) and the token rows, in stream
+// order:
+//
+//   spans       per expert: its first m-block and the end of its live rows; per position its
+//               token (or -1)                                                      (here)
+//   GEMM kDown    grad_W2[e] = sum_p grad_out[tok(p)]^T (s h)[p]                    (moe_wgrad.cuh)
+//   GEMM kGateUp  grad_W1|W3[e] = sum_p (dA|dB)[p]^T x[tok(p)]
+//
+// No float atomics: each output tile is one CTA's, summed in position order.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+
+#include "flash_moe.cuh"
+#include "heuristics.cuh"
+#include "launch.cuh"
+#include "moe_wgrad.cuh"
+
+namespace flash_moe {
+namespace {
+
+constexpr int kWgradStages = 4;
+constexpr int kSpanThreads = 256;
+
+// Workspace (int32): the two GEMMs' tile counters and the spans (2 per expert), zeroed per call;
+// then the token of each sorted position.
+int64_t zeroed_ints(int64_t E) { return 2 + 2 * E; }
+int64_t workspace_ints(int64_t E, int64_t L) { return zeroed_ints(E) + L; }
+
+// span[2e] = INT_MAX - (expert e's first m-block), span[2e + 1] = 1 + its last live position:
+// integer maxima, so the result is the same whatever the order (and defined for any routing
+// buffers; moe_align's layout makes an expert's blocks one run). Written at block starts and at
+// each block's last live row. token[pos] = sorted id / top_k, or -1 for padding (positions below
+// num_tokens_post_padded; the GEMMs read no others).
+__global__ void __launch_bounds__(kSpanThreads) expert_spans_kernel(const int32_t* __restrict__ sorted_ids,
+                                                                    const int32_t* __restrict__ expert_ids,
+                                                                    const int32_t* __restrict__ ntpp_ptr, int L,
+                                                                    int n_slots, int top_k, int E,
+                                                                    int32_t* __restrict__ span,
+                                                                    int32_t* __restrict__ token) {
+  int ntpp = *ntpp_ptr;
+  ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
+  for (int pos = blockIdx.x * kSpanThreads + threadIdx.x; pos < ntpp; pos += gridDim.x * kSpanThreads) {
+    const int b = pos / gemm::kBM, e = expert_ids[b], sid = sorted_ids[pos];
+    const bool live = gemm::live_slot(sid, n_slots);
+    token[pos] = live ? sid / top_k : -1;
+    if (e < 0 || e >= E) continue;
+    if (pos % gemm::kBM == 0) atomicMax(span + 2 * e, INT_MAX - b);
+    if (!live) continue;
+    if (pos % gemm::kBM == gemm::kBM - 1 || pos + 1 >= ntpp || !gemm::live_slot(sorted_ids[pos + 1], n_slots))
+      atomicMax(span + 2 * e + 1, pos + 1);
+  }
+}
+
+template <wgrad::Kind kKind>
+cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, cudaStream_t stream) {
+  const auto kern = wgrad::moe_wgrad_kernel<kKind, kWgradStages>;
+  const int smem = wgrad::Plan<kWgradStages>::kLaunchBytes;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = (int64_t)p.E * p.num_m * p.num_n;
+  const int grid = (int)(tiles < sm_count() ? tiles : sm_count());
+  return host::launch(kern, grid, wgrad::kThreads, smem, false, 1, stream, tm, p);
+}
+
+}  // namespace
+
+size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L) { return (size_t)workspace_ints(E, L) * 4; }
+
+cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t stream) {
+  if (a.I % 64 != 0) return cudaErrorInvalidValue;
+  auto* counters = static_cast<int32_t*>(a.workspace);
+  int32_t* span = counters + 2;
+  int32_t* token = counters + zeroed_ints(a.E);
+  cudaError_t err = cudaMemsetAsync(counters, 0, (size_t)zeroed_ints(a.E) * 4, stream);
+  if (err != cudaSuccess) return err;
+  if (a.L > 0) {
+    const int grid = heuristics::capped_grid(a.L, kSpanThreads, heuristics::kInverseCtasPerSm);
+    expert_spans_kernel<<<grid, kSpanThreads, 0, stream>>>(a.sorted_ids, a.expert_ids, a.ntpp, (int)a.L,
+                                                          (int)(a.M * a.top_k), a.top_k, (int)a.E, span, token);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+
+  using host::make_tmap;
+  constexpr uint32_t kBox = 64;
+  wgrad::Params p{};
+  p.token = token;
+  p.E = (int)a.E;
+  p.n_b = (int)a.K;
+  p.num_n = (int)((a.K + wgrad::kTileN - 1) / wgrad::kTileN);
+  p.span = span;
+
+  // grad_W2 (E, K, I): A = s*h (L, I), B = grad_out rows.
+  wgrad::Maps down{};
+  if (!make_tmap(&down.a, host::out_rows(a.sh, a.L, a.I), false, kBox) ||
+      !make_tmap(&down.out, host::down_weights(a.grad_w2, a.E, a.K, a.I, 2), false, kBox))
+    return cudaErrorInvalidValue;
+  wgrad::Params p1 = p;
+  p1.b_rows = static_cast<const __nv_bfloat16*>(a.grad_out);
+  p1.m_a = (int)a.I;
+  p1.split = (int)a.I;
+  p1.num_m = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
+  p1.tile_counter = counters;
+  if ((err = launch_wgrad<wgrad::Kind::kDown>(down, p1, stream)) != cudaSuccess) return err;
+
+  // grad_W1, grad_W3 (E, I, K): A = dA|dB (L, 2I), B = x rows.
+  wgrad::Maps gate_up{};
+  if (!make_tmap(&gate_up.a, host::out_rows(a.dab, a.L, 2 * a.I), false, kBox) ||
+      !make_tmap(&gate_up.out, host::expert_rows(a.grad_w1, a.E, a.I, a.K), false, kBox) ||
+      !make_tmap(&gate_up.out2, host::expert_rows(a.grad_w3, a.E, a.I, a.K), false, kBox))
+    return cudaErrorInvalidValue;
+  wgrad::Params p2 = p;
+  p2.b_rows = static_cast<const __nv_bfloat16*>(a.x);
+  p2.m_a = (int)(2 * a.I);
+  p2.split = (int)a.I;
+  p2.num_m = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
+  p2.tile_counter = counters + 1;
+  return launch_wgrad<wgrad::Kind::kGateUp>(gate_up, p2, stream);
+}
+
+}  // namespace flash_moe

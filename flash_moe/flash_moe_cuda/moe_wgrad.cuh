@@ -1,0 +1,283 @@
+// The backward's weight gradients (Hopper, sm_90a): for each expert e, a GEMM whose reduction
+// runs over the expert's sorted positions p (a variable count, no padding to a fixed size):
+//
+//   kDown    grad_W2[e] (K, I)     = sum_p grad_out[tok(p)]^T (s h)[p]
+//   kGateUp  grad_W1|W3[e] (I, K)  = sum_p (dA|dB)[p]^T x[tok(p)]
+//
+// One CTA computes an output tile from its first position to its last, in order, and stores it
+// once: no split over p, no atomics, bit-identical run to run. An expert without rows gets zeros.
+//
+// Operands (both have the feature dimension contiguous and p as the row, so both are MN-major):
+//   A (wgmma M, 256 features): the (L, C) rows fused_moe_bf16_dgrad wrote by sorted position,
+//     s*h or dA|dB, by TMA: four 64-feature x 64-row boxes per stage (M-major, trans-a).
+//   B (wgmma N, 128 features): the token rows (grad_out or x) gathered by sorted id with
+//     cp.async, as the forward gathers x: two 64-feature x 64-row boxes (N-major, trans-b).
+// Rows past the expert's last live row inside its last 64-row block are zeros in A (the dgrad
+// epilogue writes its m-blocks whole) and zero-filled in B.
+//
+// Roles, as the forward's kernel (moe_gemm.cuh): a producer warpgroup (thread 0 claims tiles
+// and issues A's TMA; all 128 gather B) and two consumer warpgroups (rows 128 cw.. of the
+// tile's 256 A features, two m64 blocks each, N = 128). Each tile takes ceil(rows / 64) stages,
+// or one (carrying no data) for an expert without rows, so the stage counter is carried from
+// tile to tile. Epilogue: 64 x 64 bf16 boxes staged in the tile's last stage and an 8 KB box per
+// warpgroup, stored by TMA (kDown transposed: grad_W2's rows are B's features).
+#pragma once
+
+#include "moe_gemm_consumer.cuh"
+
+namespace flash_moe {
+namespace wgrad {
+
+using namespace sm90;
+using gemm::kBK;
+using gemm::kEpilogueBarrier;
+using gemm::kProducerBarrier;
+
+enum class Kind { kDown, kGateUp };
+
+constexpr int kTileM = 256;                    // A features per tile (2 warpgroups x 2 m64 blocks)
+constexpr int kTileN = 128;                    // B features per tile (wgmma N)
+constexpr int kBoxBytes = 64 * kBK * 2;        // 8 KB: 64 features x 64 rows, 128-byte swizzle
+constexpr int kThreads = gemm::kThreads;       // producer warpgroup + 2 consumer warpgroups
+constexpr int kGatherers = 128;                // the producer warpgroup
+constexpr int kRowsPerGather = kBK * (kTileN / 8) / kGatherers;  // rows a gathering thread copies per stage
+
+struct Params {
+  const int32_t* token;          // (L,) per sorted position: the slot's token, or -1 for padding
+  int E;
+  const __nv_bfloat16* b_rows;   // (M, n_b) token rows B gathers: grad_out (kDown) or x (kGateUp)
+  int n_b;                       // K
+  int m_a;                       // A's columns: I (kDown) or 2I (kGateUp)
+  int split;                     // kGateUp: A columns from `split` (= I) are grad_W3's rows
+  int num_m, num_n;              // tiles per expert along A's and B's features
+  const int32_t* span;           // per expert: [2e] INT_MAX - first m-block (0: none), [2e+1] end of live rows
+  int* tile_counter;             // zero before the launch
+};
+struct Maps {
+  CUtensorMap a;     // (L, m_a) bf16 rows, 64 x 64 boxes
+  CUtensorMap out;   // kDown: grad_W2 (E, K, I); kGateUp: grad_W1 (E, I, K); 64 x 64 boxes
+  CUtensorMap out2;  // kGateUp: grad_W3 (E, I, K)
+};
+
+template <int kStages>
+struct Plan {
+  static constexpr int kABytes = 4 * kBoxBytes;
+  static constexpr int kStageBytes = kABytes + 2 * kBoxBytes;  // 48 KB
+  static constexpr int kEpiOffset = kStages * kStageBytes;      // per consumer warpgroup: one box
+  static constexpr int kBarOffset = kEpiOffset + 2 * kBoxBytes;
+  static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
+  static constexpr int kSlotBytes = 32;
+  static constexpr int kBytes = kSlotOffset + (2 + kStages) * kSlotBytes;  // 2 claim slots + a slot per stage
+  static constexpr int kLaunchBytes = kBytes + 1024;
+  static_assert(kLaunchBytes <= 227 * 1024, "fits an SM's shared memory");
+};
+
+// A tile: expert e's A features [256 mb, +256) x B features [128 nb, +128), reduced over the
+// `rows` sorted positions from row0. e < 0 ends the schedule.
+struct Tile {
+  int e, mb, nb, row0, rows;
+};
+__device__ __forceinline__ void put_tile(uint32_t slot, const Tile& t) {
+  st_shared_v4(slot, (uint32_t)t.e, (uint32_t)t.mb, (uint32_t)t.nb, (uint32_t)t.row0);
+  st_shared_v4(slot + 16, (uint32_t)t.rows, 0u, 0u, 0u);
+}
+__device__ __forceinline__ Tile get_tile(uint32_t slot) {
+  const uint4 v = ld_shared_v4(slot), w = ld_shared_v4(slot + 16);
+  return Tile{(int)v.x, (int)v.y, (int)v.z, (int)v.w, (int)w.x};
+}
+__device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
+
+// Tiles in expert order, an expert's m-blocks then n-blocks, claimed from a global counter: the
+// tiles running at once share the expert's rows in L2.
+__device__ inline Tile claim_tile(const Params& p) {
+  const int per_expert = p.num_m * p.num_n;
+  const int t = atomicAdd(p.tile_counter, 1);
+  if (t >= p.E * per_expert) return Tile{-1, 0, 0, 0, 0};
+  const int e = t / per_expert, r = t - e * per_expert;
+  const int first = p.span[2 * e] > 0 ? 0x7FFFFFFF - p.span[2 * e] : -1;
+  const int row0 = first >= 0 ? first * gemm::kBM : 0;
+  const int rows = first >= 0 && p.span[2 * e + 1] > row0 ? p.span[2 * e + 1] - row0 : 0;
+  return Tile{e, r / p.num_n, r % p.num_n, row0, rows};
+}
+
+// ---------------------------------------------------------------- producer
+// Thread t gathers 16-byte chunk c = t % 16 (B features 128 nb + 8c ..) of the stage's rows
+// t / 16 + 8j, into box c / 8 of the stage's B part in the 128-byte swizzle (the swizzle phase
+// is the row's low 3 bits, the same for all of the thread's rows). Rows past the tile's `rows`,
+// padding ids and features past n_b are zero-filled.
+//
+// The rows change every stage, so their tokens are a load per stage that the copies wait for:
+// lane m of warp w loads the token of row 2w + m%2 + 8(m/2 % 8) (the 16 rows its warp gathers)
+// from the position -> token table, two stages ahead, and each thread takes its row j's from
+// lane 2j + t%32/16. The producer warps issue for the whole stage, so every instruction per
+// copy counts: the table (no sorted id / top_k division here) made both kernels 1.7x faster.
+template <int kStages>
+__device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const gemm::Barriers<kStages>& bars) {
+  using P = Plan<kStages>;
+  const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4, lane = threadIdx.x & 31;
+  const int id_row = 2 * (int)(threadIdx.x >> 5) + (lane & 1) + 8 * ((lane >> 1) & 7);
+  const uint32_t b_off = P::kABytes + (c >> 3) * kBoxBytes + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+  uint32_t it = 0;
+  for (int claims = 0;; ++claims) {
+    const uint32_t claim_slot = sbase + P::kSlotOffset + P::kSlotBytes * (claims & 1);
+    if (threadIdx.x == 0) put_tile(claim_slot, claim_tile(p));
+    named_barrier_sync(kProducerBarrier, kGatherers);  // two claim slots: a write never meets a pending read
+    const Tile tile = get_tile(claim_slot);
+    if (tile.e < 0) break;
+    const int nk = k_blocks(tile.rows);
+    const int col = kTileN * tile.nb + 8 * c;
+    const bool col_ok = col < p.n_b;
+    const auto load_id = [&](int kb) {
+      const int r = kBK * kb + id_row;
+      return r < tile.rows ? p.token[tile.row0 + r] : -1;
+    };
+    int id_next = load_id(0), id_after = load_id(1);
+    for (int kb = 0; kb < (nk > 0 ? nk : 1); ++kb, ++it) {
+      const int id = id_next;
+      id_next = id_after;
+      id_after = load_id(kb + 2);
+      const int s = it % kStages;
+      const uint32_t stage = sbase + s * P::kStageBytes;
+      mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
+      if (threadIdx.x == 0) {
+        if (kb == 0) put_tile(sbase + P::kSlotOffset + P::kSlotBytes * (2 + s), tile);  // before the arrive
+        if (nk > 0) {
+          mbar_arrive_expect_tx(bars.full(s), P::kABytes);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            tma_load_2d(stage + i * kBoxBytes, &tm.a, kTileM * tile.mb + 64 * i, tile.row0 + kBK * kb, bars.full(s));
+        } else {
+          mbar_arrive(bars.full(s));
+        }
+      }
+      if (nk > 0) {
+#pragma unroll
+        for (int j = 0; j < kRowsPerGather; ++j) {
+          const int tok = __shfl_sync(0xffffffffu, id, 2 * j + (lane >> 4));
+          const bool live = col_ok && tok >= 0;
+          const __nv_bfloat16* src = p.b_rows + (live ? (int64_t)tok * p.n_b + col : 0);
+          cp_async_16(stage + b_off + 8 * j * 128, src, live ? 16u : 0u);
+        }
+      }
+      cp_async_arrive_noinc(bars.full(s));
+    }
+  }
+  // The end of the schedule: a stage whose slot says e = -1 (thread 0's arrive + the gatherers').
+  const int s = it % kStages;
+  mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
+  if (threadIdx.x == 0) {
+    put_tile(sbase + P::kSlotOffset + P::kSlotBytes * (2 + s), Tile{-1, 0, 0, 0, 0});
+    mbar_arrive(bars.full(s));
+  }
+  mbar_arrive(bars.full(s));
+  cp_async_wait_all();
+}
+
+// ---------------------------------------------------------------- consumers
+template <Kind kKind, int kStages>
+__device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const gemm::Barriers<kStages>& bars) {
+  using P = Plan<kStages>;
+  const gemm::ConsumerThread me;
+  const int cw = me.cw, w4 = me.w4, lane = me.lane, q = threadIdx.x & 127;
+  float acc0[72], acc1[72];
+  gemm::zero_fill(acc0);
+  gemm::zero_fill(acc1);
+  uint32_t it = 0;
+  gemm::HeldStage<kStages> held;  // its two A blocks take output boxes
+  for (;;) {
+    mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
+    const Tile tile = get_tile(sbase + P::kSlotOffset + P::kSlotBytes * (2 + it % kStages));
+    if (tile.e < 0) break;
+    const int nk = __shfl_sync(0xffffffffu, k_blocks(tile.rows), 0);  // warp-uniform (see ConsumerThread)
+    for (int kb = 0; kb < (nk > 0 ? nk : 1); ++kb, ++it) {
+      const int s = it % kStages;
+      mbar_wait(bars.full(s), (it / kStages) & 1);
+      const uint32_t stage = sbase + s * P::kStageBytes;
+      if (nk > 0) {
+        const uint32_t a0 = stage + (2 * cw) * kBoxBytes, a1 = a0 + kBoxBytes, b = stage + P::kABytes;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {  // a k16 step is 16 rows of 128 bytes
+          const uint64_t db = make_desc_sw128_mn(b + kk * 2048);
+          const int sc = (kb > 0 || kk > 0) ? 1 : 0;
+          wgmma_ss_bf16<kTileN, true, true>(acc0, make_desc_sw128_mn(a0 + kk * 2048), db, sc);
+          wgmma_ss_bf16<kTileN, true, true>(acc1, make_desc_sw128_mn(a1 + kk * 2048), db, sc);
+        }
+        wgmma_commit();
+      }
+      if (kb == 0) held.release(bars, cw);
+      if (kb > 0) {
+        wgmma_wait<1>();
+        if (lane == 0) bars.release((it - 1) % kStages);
+      }
+    }
+    wgmma_wait<0>();
+    held.stage = (it - 1) % kStages;
+    if (nk == 0) {  // an expert without rows: its gradient is zero
+      gemm::zero_fill(acc0);
+      gemm::zero_fill(acc1);
+    }
+
+    // Box i = 2 block + tb: A features 64 block.. of the warpgroup's 128, B features 64 tb..;
+    // the first two over the warpgroup's A blocks in the held stage, the third in its own box,
+    // the fourth over the first once that one's store has read it.
+    const uint32_t held_a = sbase + held.stage * P::kStageBytes + (2 * cw) * kBoxBytes;
+#pragma unroll
+    for (int block = 0; block < 2; ++block)
+#pragma unroll
+      for (int tb = 0; tb < 2; ++tb) {
+        const int i = 2 * block + tb;
+        uint32_t box = held_a + (i & 1) * kBoxBytes;
+        if (i == 2) box = sbase + P::kEpiOffset + cw * kBoxBytes;
+        if (i == 3) {
+          if (q == 0) bulk_wait_read<2>();
+          named_barrier_sync(kEpilogueBarrier + cw, 128);
+          box = held_a;
+        }
+        const float(&acc)[72] = block ? acc1 : acc0;
+        gemm::put_box<kKind == Kind::kDown>(box, tb, w4, lane, [&](int a) { return acc[a]; });
+        fence_proxy_async_shared();
+        named_barrier_sync(kEpilogueBarrier + cw, 128);
+        if (q == 0) {
+          const int fa = kTileM * tile.mb + 128 * cw + 64 * block, fb = kTileN * tile.nb + 64 * tb;
+          if (fa < p.m_a && fb < p.n_b) {
+            if constexpr (kKind == Kind::kDown)
+              tma_store_3d(&tm.out, box, fa, fb, tile.e);  // grad_W2[e][fb..][fa..]
+            else if (fa < p.split)
+              tma_store_3d(&tm.out, box, fb, fa, tile.e);  // grad_W1[e][fa..][fb..]
+            else
+              tma_store_3d(&tm.out2, box, fb, fa - p.split, tile.e);
+          }
+          bulk_commit_group();
+        }
+      }
+  }
+  held.release(bars, cw);
+  if (q == 0) bulk_wait_all();
+}
+
+template <Kind kKind, int kStages>
+__global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_constant__ Maps tm, const Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t sbase = (smem_u32(smem_raw) + 1023) & ~1023u;
+  const gemm::Barriers<kStages> bars{sbase + Plan<kStages>::kBarOffset};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bars.full(s), kGatherers + 1);  // the gatherers' cp.async arrivals + thread 0's
+      mbar_init(bars.empty(s), gemm::Barriers<kStages>::empty_arrivals(false));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // Registers as the forward's kernel: (168 - 56) x 128 >= (224 - 168) x 256.
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
+    produce<kStages>(tm, p, sbase, bars);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
+    consume<kKind, kStages>(tm, p, sbase, bars);
+  }
+}
+
+}  // namespace wgrad
+}  // namespace flash_moe
