@@ -79,18 +79,19 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
     float* part = p.dgrad.score_part + (int64_t)(((tile.nb * 2 + cw) * 2 + b) * 4 + w4) * p.L + tile.m0;
 #pragma unroll
     for (int tb = 0; tb < 2; ++tb) {
+      // The half's eight pre-activation chunks at once, before the wait: one load latency per
+      // half rather than one per pair of 8-row groups.
+      uint4 c[8];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+        c[jj] = 8 * (8 * tb + jj) < n ? __ldg(p.gate_up.preact + preact_chunk(g0 + b, J0 + 8 * tb + jj, p.L, w4, lane))
+                                      : make_uint4(0u, 0u, 0u, 0u);
       if (b + tb > 0) {  // the slots' previous boxes have been read by their stores
         if (q == 0) bulk_wait_read<0>();
         named_barrier_sync(kEpilogueBarrier + cw, 128);
       }
 #pragma unroll
       for (int jj = 0; jj < 8; jj += 2) {
-        uint4 c[2];
-#pragma unroll
-        for (int dj = 0; dj < 2; ++dj)
-          c[dj] = 8 * (8 * tb + jj + dj) < n
-                      ? __ldg(p.gate_up.preact + preact_chunk(g0 + b, J0 + 8 * tb + jj + dj, p.L, w4, lane))
-                      : make_uint4(0u, 0u, 0u, 0u);
         uint32_t v[3][2][2];  // [output][dj][h]: bf16x2 of tokens e = 0, 1
 #pragma unroll
         for (int dj = 0; dj < 2; ++dj) {
@@ -100,7 +101,7 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
             for (int o = 0; o < 3; ++o) v[o][dj][0] = v[o][dj][1] = 0u;
             continue;
           }
-          const uint4 cj = c[dj];
+          const uint4 cj = c[jj + dj];
           const uint32_t gate[2] = {cj.x, cj.y}, up[2] = {cj.z, cj.w};
           float score[2] = {0.f, 0.f};
           float r[3][2][2];
