@@ -31,8 +31,9 @@ int64_t zeroed_ints(int64_t E) { return 2 + 2 * E; }
 int64_t workspace_ints(int64_t E, int64_t L) { return zeroed_ints(E) + L; }
 
 // span[2e] = INT_MAX - (expert e's first m-block), span[2e + 1] = 1 + its last live position:
-// integer maxima, so the result is the same whatever the order (and defined for any routing
-// buffers; moe_align's layout makes an expert's blocks one run). Written at block starts and at
+// integer maxima, so the result is the same whatever the order. moe_align's layout makes an
+// expert's blocks one run; with other routing buffers a span may take in other experts' blocks
+// (reads stay in bounds, the gradients are then undefined). Written at block starts and at
 // each block's last live row. token[pos] = sorted id / top_k, or -1 for padding (positions below
 // num_tokens_post_padded; the GEMMs read no others).
 __global__ void __launch_bounds__(kSpanThreads) expert_spans_kernel(const int32_t* __restrict__ sorted_ids,
@@ -61,7 +62,7 @@ cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, cudaStre
   const int smem = wgrad::Plan<kWgradStages>::kLaunchBytes;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const int64_t tiles = (int64_t)p.E * p.num_m * p.num_n;
+  const int64_t tiles = (int64_t)p.E * p.a_tiles * p.b_tiles;
   const int grid = (int)(tiles < sm_count() ? tiles : sm_count());
   return host::launch(kern, grid, wgrad::kThreads, smem, false, 1, stream, tm, p);
 }
@@ -71,52 +72,50 @@ cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, cudaStre
 size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L) { return (size_t)workspace_ints(E, L) * 4; }
 
 cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t stream) {
-  if (a.I % 64 != 0) return cudaErrorInvalidValue;
+  // The binding's rules, restated for direct callers: a refusal before anything is launched.
+  if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || a.E <= 0 || a.L <= 0 || a.M < 0)
+    return cudaErrorInvalidValue;
+  using host::make_tmap;
+  constexpr uint32_t kBox = 64;
+  // grad_W2 (E, K, I): A = s*h (L, I), B = grad_out rows. grad_W1, grad_W3 (E, I, K): A = dA|dB
+  // (L, 2I), B = x rows.
+  wgrad::Maps down{}, gate_up{};
+  if (!make_tmap(&down.a, host::out_rows(a.sh, a.L, a.I), false, kBox) ||
+      !make_tmap(&down.out, host::down_weights(a.grad_w2, a.E, a.K, a.I, 2), false, kBox) ||
+      !make_tmap(&gate_up.a, host::out_rows(a.dab, a.L, 2 * a.I), false, kBox) ||
+      !make_tmap(&gate_up.out, host::expert_rows(a.grad_w1, a.E, a.I, a.K), false, kBox) ||
+      !make_tmap(&gate_up.out2, host::expert_rows(a.grad_w3, a.E, a.I, a.K), false, kBox))
+    return cudaErrorInvalidValue;
+
   auto* counters = static_cast<int32_t*>(a.workspace);
   int32_t* span = counters + 2;
   int32_t* token = counters + zeroed_ints(a.E);
   cudaError_t err = cudaMemsetAsync(counters, 0, (size_t)zeroed_ints(a.E) * 4, stream);
   if (err != cudaSuccess) return err;
-  if (a.L > 0) {
-    const int grid = heuristics::capped_grid(a.L, kSpanThreads, heuristics::kInverseCtasPerSm);
-    expert_spans_kernel<<<grid, kSpanThreads, 0, stream>>>(a.sorted_ids, a.expert_ids, a.ntpp, (int)a.L,
-                                                          (int)(a.M * a.top_k), a.top_k, (int)a.E, span, token);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
+  const int grid = heuristics::capped_grid(a.L, kSpanThreads, heuristics::kInverseCtasPerSm);
+  expert_spans_kernel<<<grid, kSpanThreads, 0, stream>>>(a.sorted_ids, a.expert_ids, a.ntpp, (int)a.L,
+                                                        (int)(a.M * a.top_k), a.top_k, (int)a.E, span, token);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  using host::make_tmap;
-  constexpr uint32_t kBox = 64;
   wgrad::Params p{};
   p.token = token;
   p.E = (int)a.E;
   p.n_b = (int)a.K;
-  p.num_n = (int)((a.K + wgrad::kTileN - 1) / wgrad::kTileN);
+  p.b_tiles = (int)((a.K + wgrad::kTileN - 1) / wgrad::kTileN);
   p.span = span;
 
-  // grad_W2 (E, K, I): A = s*h (L, I), B = grad_out rows.
-  wgrad::Maps down{};
-  if (!make_tmap(&down.a, host::out_rows(a.sh, a.L, a.I), false, kBox) ||
-      !make_tmap(&down.out, host::down_weights(a.grad_w2, a.E, a.K, a.I, 2), false, kBox))
-    return cudaErrorInvalidValue;
   wgrad::Params p1 = p;
   p1.b_rows = static_cast<const __nv_bfloat16*>(a.grad_out);
   p1.m_a = (int)a.I;
-  p1.split = (int)a.I;
-  p1.num_m = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
+  p1.a_tiles = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p1.tile_counter = counters;
   if ((err = launch_wgrad<wgrad::Kind::kDown>(down, p1, stream)) != cudaSuccess) return err;
 
-  // grad_W1, grad_W3 (E, I, K): A = dA|dB (L, 2I), B = x rows.
-  wgrad::Maps gate_up{};
-  if (!make_tmap(&gate_up.a, host::out_rows(a.dab, a.L, 2 * a.I), false, kBox) ||
-      !make_tmap(&gate_up.out, host::expert_rows(a.grad_w1, a.E, a.I, a.K), false, kBox) ||
-      !make_tmap(&gate_up.out2, host::expert_rows(a.grad_w3, a.E, a.I, a.K), false, kBox))
-    return cudaErrorInvalidValue;
   wgrad::Params p2 = p;
   p2.b_rows = static_cast<const __nv_bfloat16*>(a.x);
   p2.m_a = (int)(2 * a.I);
   p2.split = (int)a.I;
-  p2.num_m = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
+  p2.a_tiles = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p2.tile_counter = counters + 1;
   return launch_wgrad<wgrad::Kind::kGateUp>(gate_up, p2, stream);
 }

@@ -10,9 +10,9 @@
 //                                                 and the gate/up wgrad's operand
 //   s h                                        -> (L, I) bf16: the down wgrad's operand
 // so neither the expert outputs nor their gradients are stored. The three outputs leave as
-// 64 x 64 boxes through shared memory by TMA, as the forward's h does. Every row of the m-block
-// is written, padding rows as zeros: the weight-gradient GEMMs read dA|dB and s*h by TMA in
-// 64-row blocks up to an expert's last live row, and multiply what lies past it by zeros.
+// 64 x 64 boxes through shared memory by TMA, as the forward's h does. Every row of an m-block
+// with a live row is written, padding rows as zeros: the weight-gradient GEMMs read dA|dB and s*h
+// by TMA in 64-row blocks up to an expert's last live row, and multiply what lies past it by zeros.
 #pragma once
 
 #include "moe_gemm_epilogue.cuh"
@@ -130,7 +130,7 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
             score[e] += __shfl_xor_sync(0xffffffffu, score[e], 8);
             score[e] += __shfl_xor_sync(0xffffffffu, score[e], 16);
           }
-          if (lane < 4 && 8 * j < n) *reinterpret_cast<float2*>(part + 8 * j + 2 * lane) = make_float2(score[0], score[1]);
+          if (lane < 4) *reinterpret_cast<float2*>(part + 8 * j + 2 * lane) = make_float2(score[0], score[1]);
         }
         const int t = 8 * (jj + mj) + mi;
         const uint32_t off = t * 128 + (((2 * w4 + mh) ^ (t & 7)) << 4);

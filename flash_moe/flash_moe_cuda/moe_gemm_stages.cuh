@@ -75,7 +75,8 @@ struct Barriers {
 
 // A consumer warpgroup's hold on its tile's last stage, over whose shared memory its epilogue
 // stages output boxes (besides its own box): released once the boxes' TMA stores have read
-// them, after the next tile's first wgmmas are issued (the producer is then kStages - 1 ahead).
+// them, after the next tile's first wgmmas (if any) are issued (the producer is then kStages - 1
+// ahead).
 template <int kStages>
 struct HeldStage {
   int stage = -1;

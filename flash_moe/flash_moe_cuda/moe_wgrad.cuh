@@ -49,7 +49,7 @@ struct Params {
   int n_b;                       // K
   int m_a;                       // A's columns: I (kDown) or 2I (kGateUp)
   int split;                     // kGateUp: A columns from `split` (= I) are grad_W3's rows
-  int num_m, num_n;              // tiles per expert along A's and B's features
+  int a_tiles, b_tiles;          // tiles per expert along A's and B's features
   const int32_t* span;           // per expert: [2e] INT_MAX - first m-block (0: none), [2e+1] end of live rows
   int* tile_counter;             // zero before the launch
 };
@@ -72,13 +72,13 @@ struct Plan {
   static_assert(kLaunchBytes <= 227 * 1024, "fits an SM's shared memory");
 };
 
-// A tile: expert e's A features [256 mb, +256) x B features [128 nb, +128), reduced over the
+// A tile: expert e's A features [256 a_tile, +256) x B features [128 b_tile, +128), reduced over the
 // `rows` sorted positions from row0. e < 0 ends the schedule.
 struct Tile {
-  int e, mb, nb, row0, rows;
+  int e, a_tile, b_tile, row0, rows;
 };
 __device__ __forceinline__ void put_tile(uint32_t slot, const Tile& t) {
-  st_shared_v4(slot, (uint32_t)t.e, (uint32_t)t.mb, (uint32_t)t.nb, (uint32_t)t.row0);
+  st_shared_v4(slot, (uint32_t)t.e, (uint32_t)t.a_tile, (uint32_t)t.b_tile, (uint32_t)t.row0);
   st_shared_v4(slot + 16, (uint32_t)t.rows, 0u, 0u, 0u);
 }
 __device__ __forceinline__ Tile get_tile(uint32_t slot) {
@@ -87,21 +87,21 @@ __device__ __forceinline__ Tile get_tile(uint32_t slot) {
 }
 __device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
 
-// Tiles in expert order, an expert's m-blocks then n-blocks, claimed from a global counter: the
-// tiles running at once share the expert's rows in L2.
+// Tiles in expert order, an expert's A-feature tiles each with its B-feature tiles, claimed from a
+// global counter: the tiles running at once share the expert's rows in L2.
 __device__ inline Tile claim_tile(const Params& p) {
-  const int per_expert = p.num_m * p.num_n;
+  const int per_expert = p.a_tiles * p.b_tiles;
   const int t = atomicAdd(p.tile_counter, 1);
   if (t >= p.E * per_expert) return Tile{-1, 0, 0, 0, 0};
   const int e = t / per_expert, r = t - e * per_expert;
   const int first = p.span[2 * e] > 0 ? 0x7FFFFFFF - p.span[2 * e] : -1;
   const int row0 = first >= 0 ? first * gemm::kBM : 0;
   const int rows = first >= 0 && p.span[2 * e + 1] > row0 ? p.span[2 * e + 1] - row0 : 0;
-  return Tile{e, r / p.num_n, r % p.num_n, row0, rows};
+  return Tile{e, r / p.b_tiles, r % p.b_tiles, row0, rows};
 }
 
 // ---------------------------------------------------------------- producer
-// Thread t gathers 16-byte chunk c = t % 16 (B features 128 nb + 8c ..) of the stage's rows
+// Thread t gathers 16-byte chunk c = t % 16 (B features 128 b_tile + 8c ..) of the stage's rows
 // t / 16 + 8j, into box c / 8 of the stage's B part in the 128-byte swizzle (the swizzle phase
 // is the row's low 3 bits, the same for all of the thread's rows). Rows past the tile's `rows`,
 // padding ids and features past n_b are zero-filled.
@@ -125,7 +125,7 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
     const Tile tile = get_tile(claim_slot);
     if (tile.e < 0) break;
     const int nk = k_blocks(tile.rows);
-    const int col = kTileN * tile.nb + 8 * c;
+    const int col = kTileN * tile.b_tile + 8 * c;
     const bool col_ok = col < p.n_b;
     const auto load_id = [&](int kb) {
       const int r = kBK * kb + id_row;
@@ -145,7 +145,7 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
           mbar_arrive_expect_tx(bars.full(s), P::kABytes);
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            tma_load_2d(stage + i * kBoxBytes, &tm.a, kTileM * tile.mb + 64 * i, tile.row0 + kBK * kb, bars.full(s));
+            tma_load_2d(stage + i * kBoxBytes, &tm.a, kTileM * tile.a_tile + 64 * i, tile.row0 + kBK * kb, bars.full(s));
         } else {
           mbar_arrive(bars.full(s));
         }
@@ -239,7 +239,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
         fence_proxy_async_shared();
         named_barrier_sync(kEpilogueBarrier + cw, 128);
         if (q == 0) {
-          const int fa = kTileM * tile.mb + 128 * cw + 64 * block, fb = kTileN * tile.nb + 64 * tb;
+          const int fa = kTileM * tile.a_tile + 128 * cw + 64 * block, fb = kTileN * tile.b_tile + 64 * tb;
           if (fa < p.m_a && fb < p.n_b) {
             if constexpr (kKind == Kind::kDown)
               tma_store_3d(&tm.out, box, fa, fb, tile.e);  // grad_W2[e][fb..][fa..]

@@ -32,10 +32,11 @@ def _setup(kernel, M, K, I, E, top_k, seed, drop=0.0, bpc=1):
 
 
 def _defined(outputs, routing):
-    """The outputs with dab and sh cut to the rows below num_tokens_post_padded (the rest is
-    unspecified)."""
+    """(grad_x, dab, sh, score) with dab and sh cut to the rows below num_tokens_post_padded (the
+    rest is unspecified)."""
     used = int(routing[2])
-    return [t[:used] if t.shape[0] == routing[0].numel() else t for t in outputs]
+    gx, dab, sh, score = outputs
+    return gx, dab[:used], sh[:used], score
 
 
 def _halves(w):

@@ -283,8 +283,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
   check_preact(preact, grad_out, d, op);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   auto opt = grad_out.options();
-  // dA|dB and s*h: every row of the m-blocks of valid experts is written (padding rows as
-  // zeros); rows past them are left as allocated.
+  // dA|dB and s*h: every row of the m-blocks with a live row is written (padding rows as zeros);
+  // the other rows are left as allocated.
   at::Tensor grad_x = at::empty({d.M, d.K}, opt);
   at::Tensor dab = at::empty({d.L, 2 * d.I}, opt);
   at::Tensor sh = at::empty({d.L, d.I}, opt);

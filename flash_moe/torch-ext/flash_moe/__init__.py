@@ -263,8 +263,9 @@ def fused_moe_bf16_wgrad(
         An expert with no live position gets zeros.
 
     x, grad_out: (M, K) bf16; dab (L, 2I), sh (L, I) bf16 as fused_moe_bf16_dgrad returned them
-    for the same routing buffers (moe_align's layout: an expert's m-blocks consecutive, padding
-    after its live rows); I % 64 == 0. Each output tile is one CTA's (no float atomics):
+    for the same routing buffers, which must have moe_align's layout (an expert's m-blocks
+    consecutive, padding after its live rows; with other buffers reads stay in bounds and the
+    gradients are undefined); I % 64 == 0. Each output tile is one CTA's (no float atomics):
     bit-identical run to run; no host synchronisation.
     """
     return ops.fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,

@@ -141,7 +141,7 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
                                               preact, sorted_ids, expert_ids, ntpp,
                                               topk_weights.to(torch.float32).contiguous(), top_k)
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
-    if any(needs_input_grad[1:4]):
+    if any(needs_input_grad[1:4]):  # one op computes all three (training needs all three)
         gw1, gw3, gw2 = fused_moe_bf16_wgrad(x.to(bf).contiguous(), g, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k)
         grads[1:4] = [t if need else None for t, need in zip((gw1, gw2, gw3), needs_input_grad[1:4])]
     inputs = (x, w1, w2, w3, topk_weights)
