@@ -42,8 +42,7 @@ __global__ void __launch_bounds__(kSpanThreads) expert_spans_kernel(const int32_
                                                                     int n_slots, int top_k, int E,
                                                                     int32_t* __restrict__ span,
                                                                     int32_t* __restrict__ token) {
-  int ntpp = *ntpp_ptr;
-  ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
+  const int ntpp = gemm::used_length(ntpp_ptr, L);
   for (int pos = blockIdx.x * kSpanThreads + threadIdx.x; pos < ntpp; pos += gridDim.x * kSpanThreads) {
     const int b = pos / gemm::kBM, e = expert_ids[b], sid = sorted_ids[pos];
     const bool live = gemm::live_slot(sid, n_slots);
@@ -51,20 +50,15 @@ __global__ void __launch_bounds__(kSpanThreads) expert_spans_kernel(const int32_
     if (e < 0 || e >= E) continue;
     if (pos % gemm::kBM == 0) atomicMax(span + 2 * e, INT_MAX - b);
     if (!live) continue;
-    if (pos % gemm::kBM == gemm::kBM - 1 || pos + 1 >= ntpp || !gemm::live_slot(sorted_ids[pos + 1], n_slots))
-      atomicMax(span + 2 * e + 1, pos + 1);
+    if (gemm::ends_live_rows(sorted_ids, pos, ntpp, n_slots)) atomicMax(span + 2 * e + 1, pos + 1);
   }
 }
 
 template <wgrad::Kind kKind>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, cudaStream_t stream) {
-  const auto kern = wgrad::moe_wgrad_kernel<kKind, kWgradStages>;
-  const int smem = wgrad::Plan<kWgradStages>::kLaunchBytes;
-  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
   const int64_t tiles = (int64_t)p.E * p.a_tiles * p.b_tiles;
-  const int grid = (int)(tiles < sm_count() ? tiles : sm_count());
-  return host::launch(kern, grid, wgrad::kThreads, smem, false, 1, stream, tm, p);
+  return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages>,
+                                       wgrad::Plan<kWgradStages>::kLaunchBytes, tiles, false, false, stream, tm, p);
 }
 
 }  // namespace

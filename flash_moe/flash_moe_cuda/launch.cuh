@@ -128,18 +128,25 @@ inline int max_pairs(const void* kern, int smem) {
   return n;
 }
 
-// One persistent launch of a GEMM kernel with its tensor maps (gemm::GemmMaps): a CTA per SM
-// (or per tile when there are fewer tiles); with CTA pairs, a cluster per SM pair.
-template <class Kernel, class Maps>
-cudaError_t launch_persistent(Kernel kern, int smem, const Maps& tm, const gemm::GemmParams& p, bool after_previous,
-                              bool paired, cudaStream_t stream) {
+// One persistent launch of a kernel with a CTA of gemm::kThreads per SM (or per tile when there
+// are fewer of at most `max_tiles` tiles); with CTA pairs, a cluster per SM pair.
+template <class Kernel, class... Args>
+cudaError_t launch_persistent_tiles(Kernel kern, int smem, int64_t max_tiles, bool after_previous, bool paired,
+                                    cudaStream_t stream, Args... args) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  const int64_t max_tiles = (int64_t)(p.L / gemm::kBM) * p.num_n;
   if (max_tiles == 0) return cudaSuccess;
   const int64_t slots = paired ? max_pairs(reinterpret_cast<const void*>(kern), smem) : sm_count();
   const int grid = (int)(max_tiles < slots ? max_tiles : slots) * (paired ? 2 : 1);
-  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, tm, p);
+  return launch(kern, grid, gemm::kThreads, smem, after_previous, paired ? 2 : 1, stream, args...);
+}
+
+// ... of a grouped GEMM kernel with its tensor maps (gemm::GemmMaps) and parameters.
+template <class Kernel, class Maps>
+cudaError_t launch_persistent(Kernel kern, int smem, const Maps& tm, const gemm::GemmParams& p, bool after_previous,
+                              bool paired, cudaStream_t stream) {
+  return launch_persistent_tiles(kern, smem, (int64_t)(p.L / gemm::kBM) * p.num_n, after_previous, paired, stream, tm,
+                                 p);
 }
 
 }  // namespace host

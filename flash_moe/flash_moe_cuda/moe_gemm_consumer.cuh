@@ -123,14 +123,9 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
         wgmma_ss_bf16<kN, mn_major(kKind)>(acc1, d1, dt, sc);
       }
       wgmma_commit();
-      if (kb == 0) held.release(bars, cw);
-      if (kb > 0) {
-        wgmma_wait<1>();
-        if (lane == 0) bars.release((it - 1) % kStages);
-      }
+      held.after_k_block(bars, kb, it, cw, lane);
     }
-    wgmma_wait<0>();
-    held.stage = (it - 1) % kStages;
+    held.hold_last(it);
   };
   for (uint32_t t = 0;; ++t) {
     it = t * nk;  // see ConsumerThread

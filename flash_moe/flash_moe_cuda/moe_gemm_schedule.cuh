@@ -113,6 +113,16 @@ struct GemmParams {
 // the test out: forwarding p.n_slots to the int form changed the GEMM kernels' PTX.)
 __device__ __forceinline__ bool live_slot(int sid, int n_slots) { return sid >= 0 && sid < n_slots; }
 __device__ __forceinline__ bool live_slot(const GemmParams& p, int sid) { return sid >= 0 && sid < p.n_slots; }
+// num_tokens_post_padded as read from the device, clamped to [0, L]: the positions in use.
+__device__ __forceinline__ int used_length(const int32_t* ntpp, int L) {
+  const int n = *ntpp;
+  return n < 0 ? 0 : (n > L ? L : n);
+}
+// Whether live position pos (< used) is its m-block's last live row: the block's last row, or
+// followed by padding (moe_align puts an expert's padding after its live rows) or by the end.
+__device__ __forceinline__ bool ends_live_rows(const int32_t* sorted_ids, int pos, int used, int n_slots) {
+  return pos % kBlockM == kBlockM - 1 || pos + 1 >= used || !live_slot(sorted_ids[pos + 1], n_slots);
+}
 
 // ---------------------------------------------------------------- scheduler
 // A tile: n-block nb of expert e for the token rows [m0, m0 + rows) of sorted_ids. Without CTA
@@ -166,9 +176,7 @@ struct TileOrder {
       per_group = (p.num_n + 1) / 2;
       return;
     }
-    int ntpp = *p.ntpp;
-    ntpp = ntpp < 0 ? 0 : (ntpp > p.L ? p.L : ntpp);
-    groups = (ntpp + kBM - 1) / kBM;
+    groups = (used_length(p.ntpp, p.L) + kBM - 1) / kBM;
   }
   __device__ int count() const { return groups * per_group; }
 };

@@ -87,6 +87,20 @@ struct HeldStage {
     if ((threadIdx.x & 31) == 0) bars.release(stage);
     stage = -1;
   }
+  // The ring step after k-block kb's wgmmas are committed (`it`: kb's stage number): at kb = 0
+  // the previous tile's held stage goes; later, k-block kb - 1 is waited for and its stage goes.
+  __device__ __forceinline__ void after_k_block(const Barriers<kStages>& bars, int kb, uint32_t it, int cw, int lane) {
+    if (kb == 0) release(bars, cw);
+    if (kb > 0) {
+      wgmma_wait<1>();
+      if (lane == 0) bars.release((it - 1) % kStages);
+    }
+  }
+  // After the tile's last k-block (`it`: one past its stage): every wgmma done, that stage kept.
+  __device__ __forceinline__ void hold_last(uint32_t it) {
+    wgmma_wait<0>();
+    stage = (it - 1) % kStages;
+  }
 };
 
 // The gate/up GEMM's producer threads that gather token rows: all 128, or warps 1-3 when warp 0

@@ -205,14 +205,9 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
         }
         wgmma_commit();
       }
-      if (kb == 0) held.release(bars, cw);
-      if (kb > 0) {
-        wgmma_wait<1>();
-        if (lane == 0) bars.release((it - 1) % kStages);
-      }
+      held.after_k_block(bars, kb, it, cw, lane);
     }
-    wgmma_wait<0>();
-    held.stage = (it - 1) % kStages;
+    held.hold_last(it);
     if (nk == 0) {  // an expert without rows: its gradient is zero
       gemm::zero_fill(acc0);
       gemm::zero_fill(acc1);

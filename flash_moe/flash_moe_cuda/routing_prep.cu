@@ -19,16 +19,13 @@ namespace {
 __global__ void inverse_kernel(const int32_t* __restrict__ sorted_ids, const int32_t* __restrict__ expert_ids,
                                const int32_t* __restrict__ ntpp_ptr, int L, int n_slots, int E,
                                int32_t* __restrict__ inv, int32_t* __restrict__ block_live) {
-  int ntpp = *ntpp_ptr;
-  ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
+  const int ntpp = gemm::used_length(ntpp_ptr, L);
   for (int pos = blockIdx.x * blockDim.x + threadIdx.x; pos < ntpp; pos += gridDim.x * blockDim.x) {
     const int sid = sorted_ids[pos];
     const int e = expert_ids[pos / kBlockM];
     if (!gemm::live_slot(sid, n_slots) || e < 0 || e >= E) continue;
     inv[sid] = pos;
-    const int r = pos % kBlockM;
-    if (r == kBlockM - 1 || pos + 1 >= ntpp || !gemm::live_slot(sorted_ids[pos + 1], n_slots))
-      block_live[pos / kBlockM] = r + 1;
+    if (gemm::ends_live_rows(sorted_ids, pos, ntpp, n_slots)) block_live[pos / kBlockM] = pos % kBlockM + 1;
   }
 }
 
@@ -50,8 +47,7 @@ __global__ void __launch_bounds__(kUnitThreads) pair_units_kernel(const int32_t*
   using Scan = cub::BlockScan<int, kUnitThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int carry[2];  // the last block's run start, units so far
-  int ntpp = *ntpp_ptr;
-  ntpp = ntpp < 0 ? 0 : (ntpp > L ? L : ntpp);
+  const int ntpp = gemm::used_length(ntpp_ptr, L);
   const int num_m = (ntpp + gemm::kBM - 1) / gemm::kBM;
   if (threadIdx.x == 0) carry[0] = carry[1] = 0;
   __syncthreads();

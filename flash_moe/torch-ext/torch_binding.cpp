@@ -83,6 +83,29 @@ struct MoeDims {
   int64_t M, K, I, E, L;
 };
 
+// The routing buffers' shapes for M tokens, E experts and top_k (moe_align's layout); returns L,
+// the length of sorted_token_ids.
+int64_t check_routing_shapes(const char* op, const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                             const at::Tensor& num_tokens_post_padded, int64_t M, int64_t E, int64_t top_k,
+                             int64_t block_m) {
+  PK_CHECK(M * top_k + E * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
+           M * top_k);
+  PK_CHECK(sorted_token_ids.dim() == 1, op, ": sorted_token_ids must be 1-D, got shape ",
+           sorted_token_ids.sizes());
+  const int64_t L = sorted_token_ids.size(0);
+  const int64_t need = aligned_length(M * top_k, E, block_m);
+  PK_CHECK(L >= need && L % block_m == 0, op,
+           ": sorted_token_ids must have moe_align's length ceil((M*top_k + E*(block_m-1))/block_m)*block_m = ",
+           need, " (or longer, a multiple of block_m), got ", L);
+  PK_CHECK(L < (int64_t(1) << 31), op, ": sorted_token_ids length must be below 2^31, got ", L);
+  PK_CHECK(expert_ids.dim() == 1 && expert_ids.size(0) >= L / block_m, op,
+           ": expert_ids must be 1-D with at least len(sorted_token_ids)/block_m = ", L / block_m,
+           " entries, got shape ", expert_ids.sizes());
+  PK_CHECK(num_tokens_post_padded.numel() >= 1, op,
+           ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
+  return L;
+}
+
 // Rules both fused ops share: tuning arguments, devices, contiguity, routing buffers and the
 // shapes of x / w / w2 / out / topk_weights. The dtypes are each op's own.
 MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
@@ -147,21 +170,8 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
            ") like x, got ", out.sizes());
   PK_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == M && topk_weights.size(1) == top_k, op,
            ": topk_weights must have shape (M, top_k) = (", M, ", ", top_k, "), got ", topk_weights.sizes());
-  PK_CHECK(M * top_k + E * block_m < (int64_t(1) << 31), op, ": M*top_k must be below 2^31 - E*block_m, got ",
-           M * top_k);
-  PK_CHECK(sorted_token_ids.dim() == 1, op, ": sorted_token_ids must be 1-D, got shape ",
-           sorted_token_ids.sizes());
-  const int64_t L = sorted_token_ids.size(0);
-  const int64_t need = aligned_length(M * top_k, E, block_m);
-  PK_CHECK(L >= need && L % block_m == 0, op,
-           ": sorted_token_ids must have moe_align's length ceil((M*top_k + E*(block_m-1))/block_m)*block_m = ",
-           need, " (or longer, a multiple of block_m), got ", L);
-  PK_CHECK(L < (int64_t(1) << 31), op, ": sorted_token_ids length must be below 2^31, got ", L);
-  PK_CHECK(expert_ids.dim() == 1 && expert_ids.size(0) >= L / block_m, op,
-           ": expert_ids must be 1-D with at least len(sorted_token_ids)/block_m = ", L / block_m,
-           " entries, got shape ", expert_ids.sizes());
-  PK_CHECK(num_tokens_post_padded.numel() >= 1, op,
-           ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
+  const int64_t L = check_routing_shapes(op, sorted_token_ids, expert_ids, num_tokens_post_padded, M, E, top_k,
+                                         block_m);
   check_aligned16(x, op, xn);
   check_aligned16(w, op, wn);
   check_aligned16(w2, op, "w2");
@@ -323,8 +333,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
            "], got ", E);
   PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
            "], got ", top_k);
-  PK_CHECK(M * top_k + E * flash_moe::kBlockM < (int64_t(1) << 31), op,
-           ": M*top_k must be below 2^31 - E*block_m, got ", M * top_k);
   const std::pair<const at::Tensor*, const char*> tensors[] = {
       {&grad_out, "grad_out"}, {&dab, "dab"}, {&sh, "sh"}, {&sorted_token_ids, "sorted_token_ids"},
       {&expert_ids, "expert_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}};
@@ -340,17 +348,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
   check_dtype(num_tokens_post_padded, at::kInt, op, "num_tokens_post_padded");
   PK_CHECK(grad_out.sizes() == x.sizes(), op, ": grad_out must have x's shape ", x.sizes(), ", got ",
            grad_out.sizes());
-  PK_CHECK(sorted_token_ids.dim() == 1, op, ": sorted_token_ids must be 1-D, got shape ", sorted_token_ids.sizes());
-  const int64_t L = sorted_token_ids.size(0);
-  const int64_t need = aligned_length(M * top_k, E, flash_moe::kBlockM);
-  PK_CHECK(L >= need && L % flash_moe::kBlockM == 0 && L < (int64_t(1) << 31), op,
-           ": sorted_token_ids must have moe_align's length ceil((M*top_k + E*(block_m-1))/block_m)*block_m = ", need,
-           " (or longer, a multiple of block_m, below 2^31), got ", L);
-  PK_CHECK(expert_ids.dim() == 1 && expert_ids.size(0) >= L / flash_moe::kBlockM, op,
-           ": expert_ids must be 1-D with at least len(sorted_token_ids)/block_m = ", L / flash_moe::kBlockM,
-           " entries, got shape ", expert_ids.sizes());
-  PK_CHECK(num_tokens_post_padded.numel() >= 1, op,
-           ": num_tokens_post_padded must have at least 1 element, got shape ", num_tokens_post_padded.sizes());
+  const int64_t L = check_routing_shapes(op, sorted_token_ids, expert_ids, num_tokens_post_padded, M, E, top_k,
+                                         flash_moe::kBlockM);
   PK_CHECK(sh.dim() == 2 && sh.size(0) == L && sh.size(1) > 0, op,
            ": sh must have shape (len(sorted_token_ids), I) = (", L, ", I), got ", sh.sizes());
   const int64_t I = sh.size(1);
