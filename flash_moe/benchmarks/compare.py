@@ -41,7 +41,7 @@ reason every 20 ms; recorded as `sustained` in the ceilings and in our rows ({ms
 power_w, power_capped: the fraction of samples in which nvidia-smi reports that reason active}).
 The docs/DESIGN.md §9 timing above leaves ~2 ms idle before each call, which lets a short kernel run much
 of its time at boost clocks; back to back, as in a training step, the matmul and the large MoE
-shapes run at the H200's 700 W power limit, well below boost (flash_moe/DESIGN.md §5).
+shapes run at the H200's 700 W power limit, well below boost (flash_moe/DESIGN.md §6).
 
 usage: python3 flash_moe/benchmarks/compare.py [--out DIR] [--iters 20] [--shapes 0,1,2,3,4] [--no-liger]
        [--no-mxfp8] [--no-profile] [--no-sustained] [--backward-shapes 0,1,2,3,4]
