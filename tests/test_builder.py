@@ -99,8 +99,8 @@ def test_registry_lists_only_variants_as_variants(tmp_path):
     root = make_workspace(tmp_path)
     for folder in (".obj", "torch199-cxx11-cu990-x86_64-linux"):
         (root / "toy" / "build" / folder).mkdir(parents=True)
-    found, problem = _from_local_build(read_workspace(root)["toy"], None)
-    assert found is None and "variants there: torch199-cxx11-cu990-x86_64-linux)" in problem, problem
+    found, problem, skipped = _from_local_build(read_workspace(root)["toy"], None)
+    assert found is None and not skipped and "variants there: torch199-cxx11-cu990-x86_64-linux)" in problem, problem
     assert ".obj" not in problem
 
 

@@ -171,15 +171,16 @@ def _skip_text(spec: KernelSpec) -> str | None:
     return marker.read_text().strip() if marker.is_file() else None
 
 
-def _from_local_build(spec: KernelSpec, device_problem: str | None) -> tuple[_Found | None, str]:
-    """2. the member's build/ (workspace only): (the variant, None) or (None, why not and the fix)."""
+def _from_local_build(spec: KernelSpec, device_problem: str | None) -> tuple[_Found | None, str | None, bool]:
+    """2. the member's build/ (workspace only): (the variant, None, False) or (None, why not and the
+    fix, whether `prime-kernels build` left a SKIPPED marker)."""
     from kernels.resolver import resolve_local_kernel
 
     if spec.directory is None:
         return None, (
             f"build it in a checkout (`prime-kernels build {spec.name}`) and point LOCAL_KERNELS at "
             f"that build (`{spec.repo_id}=/path/to/{spec.name}/build`)"
-        )
+        ), False
     trace = None
     if spec.build_dir.is_dir():
         try:
@@ -189,19 +190,19 @@ def _from_local_build(spec: KernelSpec, device_problem: str | None) -> tuple[_Fo
         except (ValueError, OSError) as e:  # a variant whose metadata.json kernels cannot read
             trace = f"unreadable variant: {_one_line(e)}"
         else:
-            return _Found("local build", str(found.variant_path), _archs(found.metadata)), None
+            return _Found("local build", str(found.variant_path), _archs(found.metadata)), None, False
     skipped = _skip_text(spec)
     if skipped is not None:
         if device_problem is not None and _fact(skipped) in device_problem:
-            return None, f"not built: `prime-kernels build {spec.name}` skipped it for the same reason"
-        return None, f"not built: `prime-kernels build {spec.name}` skipped it: {skipped}"
+            return None, f"not built: `prime-kernels build {spec.name}` skipped it for the same reason", True
+        return None, f"not built: `prime-kernels build {spec.name}` skipped it: {skipped}", True
     variants = [p.name for p in variant_dirs(spec.build_dir)]
     have = f"variants there: {', '.join(variants)}" if variants else "no variants there"
     detail = f" ({trace})" if trace else ""
     return None, (
         f"no local build for this torch/CUDA in {spec.build_dir} ({have}){detail}: "
         f"run `prime-kernels build {spec.name}`"
-    )
+    ), False
 
 
 def _only_says_not_cached(error: Exception) -> bool:
@@ -211,8 +212,9 @@ def _only_says_not_cached(error: Exception) -> bool:
             or isinstance(error, FileNotFoundError) and text.startswith("Cannot find a local snapshot"))
 
 
-def _from_hub(spec: KernelSpec, pin: HubPin, dev: _Device, local_problem: str) -> _Found:
-    """3. the Hub (or, with HF_HUB_OFFLINE=1, its local cache) at `pin`."""
+def _from_hub(spec: KernelSpec, pin: HubPin, dev: _Device, local_problem: str, local_skipped: bool) -> _Found:
+    """3. the Hub (or, with HF_HUB_OFFLINE=1, its local cache) at `pin`. local_skipped: the local
+    build was skipped (its reason, `local_problem`, is then the one to give)."""
     from kernels.hf_hub import _get_hf_api
     from kernels.resolver import HubCacheResolver, HubResolver
 
@@ -220,8 +222,7 @@ def _from_hub(spec: KernelSpec, pin: HubPin, dev: _Device, local_problem: str) -
     offline = hub_offline()
     if dev.problem is not None and not offline:
         # Not asked over the network when the device already rules the kernel out.
-        skipped = spec.directory is not None and _skip_text(spec) is not None
-        return _Found("hub", location, spec.capabilities, local_problem if skipped else None)
+        return _Found("hub", location, spec.capabilities, local_problem if local_skipped else None)
     # The shim's own repos are trusted by name, so kernels' publisher check never refuses them.
     resolver = (HubCacheResolver if offline else HubResolver)(trust_remote_code=[spec.repo_id])
     try:
@@ -246,9 +247,9 @@ def resolve(spec: KernelSpec, device=None, *, version: int | None = None, revisi
     dev = _device(spec, device)
     found = _from_local_kernels(spec)
     if found is None:
-        found, local_problem = _from_local_build(spec, dev.problem)
+        found, local_problem, local_skipped = _from_local_build(spec, dev.problem)
         if found is None:
-            found = _from_hub(spec, pin, dev, local_problem)
+            found = _from_hub(spec, pin, dev, local_problem, local_skipped)
 
     reason = "; ".join(filter(None, [dev.problem, found.problem])) or None
     if reason is None and dev.capability is not None:
