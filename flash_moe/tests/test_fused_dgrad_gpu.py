@@ -5,6 +5,7 @@ input rules. (The gradients of `moe` through this path are tested in test_moe_ba
 
 import pytest
 import torch
+from cuda_graph_check import assert_graph_replays_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -89,6 +90,10 @@ CASES = [
     (257, 320, 192, 6, 2, 0.2, 1),  # I % 256 != 0 (a half-empty n-block), K % 256 != 0, -1 ids
     (500, 1024, 768, 16, 4, 0.0, 2),  # preact saved by the CTA-pair forward
     (1, 256, 128, 4, 1, 0.0, 1),  # M = 1, top_k = 1
+    # Fewer k-blocks per tile than stages (K = 64, 136), several tiles per CTA, K % 64 != 0, an
+    # n-block mostly past I (I = 320)
+    (8192, 64, 128, 8, 4, 0.05, 1),
+    (700, 136, 320, 5, 3, 0.0, 1),
 ]
 
 
@@ -130,21 +135,8 @@ def test_dgrad_bit_identical_repeats_and_bpc(kernel):
 def test_dgrad_graph_capture_replays_eager(kernel):
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 1024, 1024, 512, 32, 4, seed=5)
     eager = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 4)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 4)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 4)
-    for t in captured:
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(_defined(captured, routing), _defined(eager, routing)):
-        assert torch.equal(a, b)
+    assert_graph_replays_eager(lambda: kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 4),
+                               eager, defined=lambda outputs: _defined(outputs, routing))
 
 
 def test_dgrad_bad_inputs_name_the_argument(kernel):

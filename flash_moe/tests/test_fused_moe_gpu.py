@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from cuda_graph_check import assert_graph_replays_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -206,19 +207,7 @@ def test_cuda_graph_replay_equals_eager(kernel, bpc):
     x, w, w2, ids, wt = _inputs(1024, 1024, 512, 32, 4, seed=5)
     out = torch.empty_like(x)
     eager = _run(kernel, x, w, w2, ids, wt, bpc=bpc).clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            _run(kernel, x, w, w2, ids, wt, out=out, bpc=bpc)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _run(kernel, x, w, w2, ids, wt, out=out, bpc=bpc)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    graph, _ = assert_graph_replays_eager(lambda: _run(kernel, x, w, w2, ids, wt, out=out, bpc=bpc), eager)
     # new routing in the same buffers replays correctly too
     ids.copy_(torch.roll(ids, 1, dims=0))
     graph.replay()

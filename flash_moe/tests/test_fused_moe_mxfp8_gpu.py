@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from cuda_graph_check import assert_graph_replays_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -353,19 +354,7 @@ def test_fused_mxfp8_cuda_graph_replay_equals_eager(kernel):
     d = _inputs(kernel, 1024, 1024, 512, 32, 4, seed=5)
     out = torch.empty(1024, 1024, dtype=torch.bfloat16, device="cuda")
     eager = _run(kernel, d).clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            _run(kernel, d, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _run(kernel, d, out=out)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    graph, _ = assert_graph_replays_eager(lambda: _run(kernel, d, out=out), eager)
     # new routing and new token values in the same buffers replay correctly too
     d["ids"].copy_(torch.roll(d["ids"], 1, dims=0))
     xq, xs = kernel.quantize_mxfp8(torch.randn(1024, 1024, device="cuda"))

@@ -163,23 +163,11 @@ def test_bit_identical_repeats(kernel):
 
 
 def test_backward_graph_capture_replays_eager(kernel):
+    from cuda_graph_check import assert_graph_replays_eager  # here: compare.py loads this file outside pytest
     x, w1, w2, w3, ids, scores, g = _inputs(1024, 1024, 512, 32, 4, seed=5)
     eager = kernel.functional.moe_backward(g, x, w1, w2, w3, ids, scores)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            kernel.functional.moe_backward(g, x, w1, w2, w3, ids, scores)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = kernel.functional.moe_backward(g, x, w1, w2, w3, ids, scores)
-    for t in captured:
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(captured, eager):
-        assert torch.equal(a, b)
+    graph, captured = assert_graph_replays_eager(lambda: kernel.functional.moe_backward(g, x, w1, w2, w3, ids, scores),
+                                                 eager)
     # new routing in the same buffers replays correctly too
     ids.copy_(torch.roll(ids, 1, dims=0))
     graph.replay()
