@@ -404,6 +404,36 @@ def peak_gb(fn):
     return round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)
 
 
+def backward_inputs(shape):
+    """The backward rows' inputs on `shape` (T, K, I, E, top_k), seeded by the shape: (g, (x, w1,
+    w2, w3, wt), ids, go) with bf16 x (T, K), w1 and w3 (E, I, K), w2 (E, K, I) and grad_out go
+    (T, K), int32 ids (T, top_k) of a random top-k and fp32 softmax weights wt (T, top_k); g is
+    the generator, which backward_rows draws on from."""
+    T, K, I, E, top_k = shape
+    g = torch.Generator(device="cuda").manual_seed(100 + sum(shape))
+    x = torch.randn(T, K, generator=g, device="cuda").bfloat16()
+    w1, w3 = ((torch.randn(E, I, K, generator=g, device="cuda") / K ** 0.5).bfloat16() for _ in range(2))
+    w2 = (torch.randn(E, K, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
+    ids = torch.rand(T, E, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
+    wt = torch.softmax(torch.randn(T, top_k, generator=g, device="cuda"), -1)
+    go = torch.randn(T, K, generator=g, device="cuda").bfloat16()
+    return g, (x, w1, w2, w3, wt), ids, go
+
+
+def backward_truth(ref, inputs, ids, go):
+    """fp32 autograd through the reference on inputs (x, w1, w2, w3, wt): (out, the gradients in
+    GRADS order). The leaves are detached copies (.float() of the fp32 wt would be wt itself)."""
+    leaves = [t.detach().float().requires_grad_() for t in inputs]
+    out = ref.moe_fp32(leaves[0], torch.cat([leaves[1], leaves[3]], 1), leaves[2], ids, leaves[4])
+    out.backward(go.float())
+    return out.detach(), [t.grad for t in leaves]
+
+
+def grad_errors(grads, truth):
+    """{name: |grad - truth| / |truth|} over GRADS."""
+    return {n: round(((a.float() - t).norm() / t.norm()).item(), 6) for n, a, t in zip(GRADS, grads, truth)}
+
+
 def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     """The backward on one shape: ours (`functional.fused_backward` on the pre-activations the
     training forward saved), prime-rl's restated backward, the four backward GEMMs alone
@@ -413,22 +443,12 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     call, exceed L2 at every shape)."""
     T, K, I, E, top_k = shape
     F = kernel.functional
-    g = torch.Generator(device="cuda").manual_seed(100 + sum(shape))
-    x = torch.randn(T, K, generator=g, device="cuda").bfloat16()
-    w1, w3 = ((torch.randn(E, I, K, generator=g, device="cuda") / K ** 0.5).bfloat16() for _ in range(2))
-    w2 = (torch.randn(E, K, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
-    ids = torch.rand(T, E, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-    wt = torch.softmax(torch.randn(T, top_k, generator=g, device="cuda"), -1)
-    go = torch.randn(T, K, generator=g, device="cuda").bfloat16()
-    inputs = (x, w1, w2, w3, wt)
-
-    leaves = [t.float().requires_grad_() for t in inputs]
-    ref.moe_fp32(leaves[0], torch.cat([leaves[1], leaves[3]], 1), leaves[2], ids, leaves[4]).backward(go.float())
-    truth = [t.grad for t in leaves]
-    del leaves
+    g, inputs, ids, go = backward_inputs(shape)
+    x, w1, w2, w3, wt = inputs
+    _, truth = backward_truth(ref, inputs, ids, go)
 
     def errors(grads):
-        return {n: round(((a.float() - t).norm() / t.norm()).item(), 6) for n, a, t in zip(GRADS, grads, truth)}
+        return grad_errors(grads, truth)
 
     sorted_ids, expert_ids, ntpp = kernel.moe_align(ids, E)
     routing = (sorted_ids, expert_ids, ntpp, top_k)
@@ -607,6 +627,26 @@ def print_sustained(mm_sustained, rows):
               f"{v.get('power_w', float('nan')):6.0f} {v.get('power_capped', float('nan')):6.2f}")
 
 
+def resolve_commit(commit=""):
+    """`commit`, else the sha of HEAD (git rev-parse), else "unknown"."""
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=MEMBER, capture_output=True,
+                                    text=True).stdout.strip()
+        except Exception:  # noqa: BLE001
+            commit = ""
+        if not re.fullmatch(r"[0-9a-f]{40}", commit or ""):
+            commit = ""
+    return commit or "unknown"
+
+
+def results_record(commit, ceil, rows):
+    """The results file's top level (docs/DESIGN.md §9 schema)."""
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "ceilings": ceil, "rows": rows}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
@@ -753,23 +793,12 @@ def main():
         else:
             print("quantize_mxfp8 rows skipped: the loaded flash_moe has no native quantize_mxfp8 op")
 
-    commit = args.commit
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=MEMBER, capture_output=True,
-                                    text=True).stdout.strip()
-        except Exception:  # noqa: BLE001
-            commit = ""
-        if not re.fullmatch(r"[0-9a-f]{40}", commit or ""):
-            commit = ""
     ceil = {"copy_GBps": round(copy, 1), "bf16_matmul_TFLOPs": round(mm, 1)}
     if monitor:
         monitor.stop()
         ceil["bf16_matmul_sustained"] = mm_sustained
         print_sustained(mm_sustained, rows)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or "unknown",
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "ceilings": ceil, "rows": rows}
+    result = results_record(resolve_commit(args.commit), ceil, rows)
     (out_dir / "h200.json").write_text(json.dumps(result, indent=1))
     try:
         plot(rows, copy, mm, out_dir / "h200.png", result["gpu"], ceil.get("bf16_matmul_sustained"))

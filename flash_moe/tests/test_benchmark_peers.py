@@ -1,8 +1,10 @@
 """CPU tests of the side-by-side benchmark (benchmarks/compare.py): its peers compute what their
 rows claim, so a peer's time is the time of that computation; its kernel labels and its
-back-to-back rows' clock fields are what they say."""
+back-to-back rows' clock fields are what they say. And of benchmarks/sonicmoe_peer.py, the parts
+that need no GPU: a missing SonicMoE never fails a run, its shapes, targets and routing inputs."""
 
 import pathlib
+import sys
 
 import kernel_package
 import pytest
@@ -14,6 +16,11 @@ MEMBER = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def compare():
     return kernel_package.load_file("flash_moe_compare", MEMBER / "benchmarks" / "compare.py")
+
+
+@pytest.fixture(scope="module")
+def sonicmoe_peer():
+    return kernel_package.load_file("flash_moe_sonicmoe_peer", MEMBER / "benchmarks" / "sonicmoe_peer.py")
 
 
 def _problem(T=64, K=64, I=32, E=8, top_k=3):
@@ -101,3 +108,42 @@ def test_backward_gemms_row_computes_the_four_gemms(compare):
                           (dw[e], dab[r].float().t() @ xs[r].float()), (dw2[e], gs[r].float().t() @ h[r].float())):
             scale = want.abs().max().item() if want.numel() else 1.0  # an empty expert: its wgrads are 0
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * max(1.0, scale))
+
+
+def test_sonicmoe_peer_without_sonicmoe_exits_cleanly(sonicmoe_peer, monkeypatch, tmp_path, capsys):
+    """No importable sonicmoe: main says why and returns 0 before touching the GPU or writing."""
+    monkeypatch.setitem(sys.modules, "sonicmoe", None)  # `import sonicmoe` raises ImportError
+    assert sonicmoe_peer.main(["--out", str(tmp_path / "out")]) == 0
+    assert "SonicMoE peer skipped" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_sonicmoe_peer_shapes_targets_and_routing(sonicmoe_peer, compare):
+    """By default the issue's three backward shapes, each with its target; SonicMoE's routing
+    inputs name, for slot t * top_k + k (how our (T, top_k) topk_weights flatten), token t
+    (ascending, as it requires) and expert ids[t, k], both int32."""
+    shapes = [int(s) for s in sonicmoe_peer.parse_args([]).shapes.split(",")]
+    assert [compare.BACKWARD_SHAPES[i] for i in shapes] == [
+        (8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (32768, 4096, 1024, 64, 4)]
+    assert sonicmoe_peer.TARGETS == {0: 1.3, 1: 1.25, 2: 1.15}
+    T, top_k = 6, 3
+    ids = torch.rand(T, 16, generator=torch.Generator().manual_seed(1)).topk(top_k, dim=1).indices.to(torch.int32)
+    token, expert = sonicmoe_peer.sonic_routing(ids)
+    assert token.dtype == expert.dtype == torch.int32
+    assert token.tolist() == [j // top_k for j in range(T * top_k)]
+    assert expert.tolist() == [ids[j // top_k, j % top_k].item() for j in range(T * top_k)]
+
+
+def test_sonicmoe_peer_table_needs_both_ratios(sonicmoe_peer, capsys):
+    """A target is met only when SonicMoE / ours meets it spaced and back to back; a missing peer
+    or back-to-back timing prints "-", not a verdict."""
+    def timings(bwd_ms, b2b_ms):
+        return {"bwd": (bwd_ms, {"ms": b2b_ms} if b2b_ms else None)}
+
+    shape = (8192, 2048, 768, 64, 8)
+    sonicmoe_peer.print_table([(shape, 1.3, timings(2.0, 2.5), timings(2.8, 3.3)),   # 1.40, 1.32
+                               (shape, 1.3, timings(2.0, 2.5), timings(2.8, 3.0)),   # 1.40, 1.20
+                               (shape, 1.3, timings(2.0, 2.5), None),
+                               (shape, 1.3, timings(2.0, None), timings(2.8, None))])
+    verdicts = [line.split()[-1] for line in capsys.readouterr().out.strip().splitlines()[1:]]
+    assert verdicts == ["yes", "no", "-", "-"]
