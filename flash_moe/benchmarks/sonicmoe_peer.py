@@ -26,10 +26,14 @@ scores wt.view(-1), whose gradient is ours: d out / d topk_weights (T, top_k), n
 Its outputs and gradients are checked against the fp32 truth (compare.backward_truth) and ours:
 a mis-wired peer shows up as a large error, printed and recorded.
 
-Its first call JIT-compiles and autotunes (QuACK GEMMs, Triton gather-sums; ~100 s over the three
-shapes in one process); `faulthandler` dumps every thread's stack if a shape's SonicMoE part runs
-past --peer-timeout (the run goes on), an exception there costs only that shape's SonicMoE rows,
-and the results file is rewritten after every step, so our rows survive a run cut short.
+Its first call JIT-compiles and autotunes (QuACK GEMMs, Triton gather-sums). QuACK pre-compiles
+the candidate configs in a pool of worker processes; on the H200 image that pool had not answered
+after 300 s (the first shape's backward weight GEMM), so the script sets QUACK_COMPILE_WORKERS=1
+unless it is set, which makes QuACK compile in-process as it benchmarks (not yet timed; the
+wheels' notes measured ~100 s over the three shapes). `faulthandler` dumps every thread's stack
+if a shape's SonicMoE part runs past --peer-timeout (the run goes on), an exception there costs
+only that shape's SonicMoE rows, and the results file is rewritten after every step, so our rows
+survive a run cut short.
 
 Writes <out>/h200_sonicmoe.json (compare.py's format: gpu, torch, commit, date, same-run ceilings,
 rows; impl `sonicmoe` for the peer) and prints shape | ours bwd | SonicMoE bwd | ratios | target.
@@ -83,6 +87,7 @@ def parse_args(argv=None):
 
 def load_sonicmoe():
     """(moe_general_routing_inputs, ActivationType.SWIGLU), or None with the reason printed."""
+    os.environ.setdefault("QUACK_COMPILE_WORKERS", "1")  # no pre-compile worker pool: see the module docstring
     try:
         from sonicmoe import moe_general_routing_inputs
         from sonicmoe.enums import ActivationType
