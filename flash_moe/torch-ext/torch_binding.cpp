@@ -151,7 +151,11 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": ", wn, ".size(0) (experts) must be in [1, ",
            flash_moe::kMaxExperts, "], got ", E);
   PK_CHECK(w.size(2) == K, op, ": ", wn, ".size(2) must equal ", xn, ".size(1) = ", K, ", got ", w.size(2));
-  PK_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
+  if (w3) {
+    PK_CHECK(N > 0, op, ": w1.size(1) (I) must be > 0, got ", w.size(1));
+  } else {
+    PK_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
+  }
   const int64_t I = N / 2;
   if (w3) {
     check_cuda_contig(*w3, op, "w3");
@@ -233,8 +237,8 @@ void set_forward(Args& a, at::Tensor& out, int64_t stages, int64_t bpc, bool spl
 
 // The saved gate/up pre-activations (fused_moe_bf16's preact, fused_moe_bf16_dgrad's input).
 void check_preact(const at::Tensor& preact, const at::Tensor& x, const MoeDims& d, const char* op) {
-  PK_CHECK(d.I % 64 == 0, op, ": preact needs I = w.size(1)/2 to be a multiple of 64 (the backward's 64-feature ",
-           "groups), got ", d.I);
+  PK_CHECK(d.I % 64 == 0, op, ": preact needs the hidden dim I to be a multiple of 64 (the backward's 64-feature ",
+           "groups), got I = ", d.I);
   check_cuda_contig(preact, op, "preact");
   check_same_device(preact, x, op, "preact");
   check_dtype(preact, at::kBFloat16, op, "preact");
