@@ -151,11 +151,10 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": ", wn, ".size(0) (experts) must be in [1, ",
            flash_moe::kMaxExperts, "], got ", E);
   PK_CHECK(w.size(2) == K, op, ": ", wn, ".size(2) must equal ", xn, ".size(1) = ", K, ", got ", w.size(2));
-  if (w3) {
-    PK_CHECK(N > 0, op, ": w1.size(1) (I) must be > 0, got ", w.size(1));
-  } else {
-    PK_CHECK(N % 2 == 0 && N > 0, op, ": w.size(1) must be 2*I (gate rows then up rows), even and > 0, got ", N);
-  }
+  // With w3, N = 2 * w1.size(1) is even: only its sign can be wrong.
+  PK_CHECK(N % 2 == 0 && N > 0, op, ": ",
+           w3 ? "w1.size(1) (I) must be > 0" : "w.size(1) must be 2*I (gate rows then up rows), even and > 0",
+           ", got ", w.size(1));
   const int64_t I = N / 2;
   if (w3) {
     check_cuda_contig(*w3, op, "w3");
