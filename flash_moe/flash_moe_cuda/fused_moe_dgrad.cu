@@ -23,11 +23,13 @@
 namespace flash_moe {
 namespace {
 
+using heuristics::kDgradStages;
+using heuristics::kPositionThreads;
+using heuristics::kPositionCtasPerSm;
+
 using gemm::GemmParams;
 using gemm::Kind;
 
-constexpr int kDgradStages = 4;
-constexpr int kScoreThreads = 256;
 // Score partials per position: 2 consumer warpgroups x 2 blocks x 4 warps per 256-feature
 // n-block.
 int64_t score_parts(int64_t I) { return 16 * ((I + 255) / 256); }
@@ -45,11 +47,11 @@ struct DgradWorkspace {
 };
 
 // score[slot] = sum over q ascending of part[q][pos(slot)]; 0 for a slot without a position.
-__global__ void __launch_bounds__(kScoreThreads) score_sum_kernel(const float* __restrict__ part,
+__global__ void __launch_bounds__(kPositionThreads) score_sum_kernel(const float* __restrict__ part,
                                                                   const int32_t* __restrict__ inv, int64_t n_slots,
                                                                   int64_t L, int parts, float* __restrict__ score) {
-  for (int64_t s = blockIdx.x * (int64_t)kScoreThreads + threadIdx.x; s < n_slots;
-       s += (int64_t)gridDim.x * kScoreThreads) {
+  for (int64_t s = blockIdx.x * (int64_t)kPositionThreads + threadIdx.x; s < n_slots;
+       s += (int64_t)gridDim.x * kPositionThreads) {
     const int pos = inv[s];
     float acc = 0.f;
     if (pos >= 0)
@@ -123,10 +125,10 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
                                   false, stream);
     if (err != cudaSuccess) return err;
-    const int grid = heuristics::capped_grid(n_slots, kScoreThreads, heuristics::kInverseCtasPerSm);
+    const int grid = heuristics::capped_grid(n_slots, kPositionThreads, kPositionCtasPerSm);
     // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
     // written, and the sum stops before them.
-    score_sum_kernel<<<grid, kScoreThreads, 0, stream>>>(part, inv, n_slots, a.L, (int)(a.I / 16), a.score);
+    score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(part, inv, n_slots, a.L, (int)(a.I / 16), a.score);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.

@@ -22,8 +22,9 @@
 namespace flash_moe {
 namespace {
 
-constexpr int kWgradStages = 4;
-constexpr int kSpanThreads = 256;
+using heuristics::kWgradStages;
+using heuristics::kPositionThreads;
+using heuristics::kPositionCtasPerSm;
 
 // Workspace (int32): the two GEMMs' tile counters and the spans (2 per expert), zeroed per call;
 // then the token of each sorted position.
@@ -36,14 +37,14 @@ int64_t workspace_ints(int64_t E, int64_t L) { return zeroed_ints(E) + L; }
 // (reads stay in bounds, the gradients are then undefined). Written at block starts and at
 // each block's last live row. token[pos] = sorted id / top_k, or -1 for padding (positions below
 // num_tokens_post_padded; the GEMMs read no others).
-__global__ void __launch_bounds__(kSpanThreads) expert_spans_kernel(const int32_t* __restrict__ sorted_ids,
+__global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const int32_t* __restrict__ sorted_ids,
                                                                     const int32_t* __restrict__ expert_ids,
                                                                     const int32_t* __restrict__ ntpp_ptr, int L,
                                                                     int n_slots, int top_k, int E,
                                                                     int32_t* __restrict__ span,
                                                                     int32_t* __restrict__ token) {
   const int ntpp = gemm::used_length(ntpp_ptr, L);
-  for (int pos = blockIdx.x * kSpanThreads + threadIdx.x; pos < ntpp; pos += gridDim.x * kSpanThreads) {
+  for (int pos = blockIdx.x * kPositionThreads + threadIdx.x; pos < ntpp; pos += gridDim.x * kPositionThreads) {
     const int b = pos / gemm::kBM, e = expert_ids[b], sid = sorted_ids[pos];
     const bool live = gemm::live_slot(sid, n_slots);
     token[pos] = live ? sid / top_k : -1;
@@ -86,8 +87,8 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   int32_t* token = counters + zeroed_ints(a.E);
   cudaError_t err = cudaMemsetAsync(counters, 0, (size_t)zeroed_ints(a.E) * 4, stream);
   if (err != cudaSuccess) return err;
-  const int grid = heuristics::capped_grid(a.L, kSpanThreads, heuristics::kInverseCtasPerSm);
-  expert_spans_kernel<<<grid, kSpanThreads, 0, stream>>>(a.sorted_ids, a.expert_ids, a.ntpp, (int)a.L,
+  const int grid = heuristics::capped_grid(a.L, kPositionThreads, kPositionCtasPerSm);
+  expert_spans_kernel<<<grid, kPositionThreads, 0, stream>>>(a.sorted_ids, a.expert_ids, a.ntpp, (int)a.L,
                                                         (int)(a.M * a.top_k), a.top_k, (int)a.E, span, token);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 

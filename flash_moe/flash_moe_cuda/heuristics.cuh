@@ -1,8 +1,10 @@
-// flash_moe's launch-geometry rules, in one place (evidence: flash_moe/DESIGN.md §5). The GEMMs
-// are persistent: a CTA per SM, or a cluster per SM pair with CTA pairs (host::launch_persistent).
-// The one rule chosen per call, bpc (CTA pairs or not), is Python's `preferred_bpc`
-// (torch-ext/flash_moe/__init__.py): it is the tuning argument the caller passes, bpc=None
-// taking it.
+// flash_moe's launch geometry: the grid sizes and pipeline depths the host picks (evidence:
+// flash_moe/DESIGN.md §5). A block size that a kernel's indexing is written for (moe_align's
+// count/place blocks, the MXFP8 conversions, pair_units_kernel's block scan) stays beside that
+// kernel. The GEMMs are persistent: a CTA per SM, or a cluster per SM pair with CTA pairs
+// (host::launch_persistent). The one rule chosen per call, bpc (CTA pairs or not), is Python's
+// `preferred_bpc` (torch-ext/flash_moe/__init__.py): it is the tuning argument the caller
+// passes, bpc=None taking it.
 #pragma once
 
 #include <cstdint>
@@ -19,10 +21,15 @@ inline int capped_grid(int64_t items, int threads, int per_sm) {
   return (int)(want < cap ? want : cap);
 }
 
-constexpr int kInverseThreads = 256, kInverseCtasPerSm = 4;  // inverse_kernel: a slot per thread
+// Grid-stride kernels with a slot or a sorted position per thread (inverse_kernel,
+// score_sum_kernel, expert_spans_kernel).
+constexpr int kPositionThreads = 256, kPositionCtasPerSm = 4;
 // The top-k reduce and the dequantize kernels: enough CTAs to keep every SM's load queue full.
 constexpr int kReduceThreads = 256, kReduceCtasPerSm = 16;
 constexpr int kConvertCtasPerSm = 16;
+// The backward's GEMMs: four stages, the most that fit beside their epilogue boxes (the dgrad's
+// SmemPlan, the wgrad's 48 KB stages: wgrad::Plan).
+constexpr int kDgradStages = 4, kWgradStages = 4;
 
 }  // namespace heuristics
 }  // namespace flash_moe

@@ -102,7 +102,7 @@ cudaError_t slot_positions(const int32_t* sorted_ids, const int32_t* expert_ids,
                            int64_t n_slots, int64_t E, int32_t* inv, int32_t* block_live, cudaStream_t stream) {
   if (L == 0) return cudaSuccess;
   using namespace heuristics;
-  inverse_kernel<<<capped_grid(L, kInverseThreads, kInverseCtasPerSm), kInverseThreads, 0, stream>>>(
+  inverse_kernel<<<capped_grid(L, kPositionThreads, kPositionCtasPerSm), kPositionThreads, 0, stream>>>(
       sorted_ids, expert_ids, ntpp, (int)L, (int)n_slots, (int)E, inv, block_live);
   return cudaGetLastError();
 }
