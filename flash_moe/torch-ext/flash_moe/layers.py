@@ -23,6 +23,8 @@ class MoEExperts(nn.Module):
     topk_ids (M, top_k) and topk_weights (M, top_k) and returns (M, K) in x's dtype.
     """
 
+    # No test runs `moe` (an autograd.Function around the custom ops) under torch.compile yet,
+    # so kernelize does not offer this layer to a model it compiles.
     can_torch_compile: bool = False
     has_backward: bool = True
 
