@@ -18,9 +18,9 @@ the fp32 truth of the ORIGINAL inputs; quant_floor_rel_err is the error that qua
 costs (fp32 MoE of the dequantized inputs). Then quantize_mxfp8 alone on bf16 (N, C) inputs,
 row-major and blocked scales (GB/s counts 2 B read + 1 B + 1/32 B scale written per element).
 
-The backward (unless --backward-shapes ''), on BACKWARD_SHAPES (issue #23's): ours
+The backward (unless --backward-shapes ''), on BACKWARD_SHAPES: ours
 (`functional.fused_backward` on the pre-activations the training forward saved), prime-rl's
-backward as restated in flash_moe/tests/test_moe_backward_gpu.py, the four backward GEMMs alone
+backward as restated in flash_moe/tests/prime_rl_peer.py, the four backward GEMMs alone
 (`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
 memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
 fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
@@ -73,10 +73,11 @@ from bench_timing import ceilings, median_ms  # noqa: E402
 
 SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (8192, 4096, 1536, 128, 8),
           (8192, 7168, 2048, 256, 8), (1024, 2048, 768, 128, 8)]
-# The backward's shapes (issue #23; targets in flash_moe/DESIGN.md §8).
+# The backward's shapes (docs/DESIGN.md §9; their targets are in flash_moe/DESIGN.md §8).
 BACKWARD_SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (32768, 4096, 1024, 64, 4),
                    (8192, 4096, 1536, 128, 8), (1024, 2048, 768, 128, 8)]
 GRADS = ("x", "w1", "w2", "w3", "topk_weights")
+LIGER_SHAPES = (0, 1, 4)  # SHAPES indices where the forward's targets name Liger's fused MoE as a peer
 QUANT_SHAPES = [(65536, 4096), (16384, 7168)]  # (N, C) bf16 inputs of quantize_mxfp8
 
 
@@ -390,8 +391,8 @@ def backward_gemms(xs, gs, h, dab, offs, w, w2):
 
 
 def load_prime_rl_peer():
-    """prime-rl's backward and its `_FusedMoE`, as restated in the GPU tests (the accuracy peer)."""
-    return kernel_package.load_file("flash_moe_prime_rl_peer", MEMBER / "tests" / "test_moe_backward_gpu.py")
+    """prime-rl's backward and its `_FusedMoE`, restated (tests/prime_rl_peer.py, the GPU tests' peer)."""
+    return kernel_package.load_file("flash_moe_prime_rl_peer", MEMBER / "tests" / "prime_rl_peer.py")
 
 
 def peak_gb(fn):
@@ -465,14 +466,14 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
         lv = leaves_of(i)
         kernel.moe(lv[0], lv[1], lv[2], lv[3], ids, lv[4]).backward(go)
 
-    peer._PrimeRlFusedMoE.kernel = kernel
+    peer.PrimeRlFusedMoE.kernel = kernel
 
     def prime_rl(i):
         return peer.prime_rl_backward(go, x, w1, w2, w3, ids, wt, E)
 
     def prime_rl_both(i):
         lv = leaves_of(i)
-        peer._PrimeRlFusedMoE.apply(lv[0], lv[1], lv[2], lv[3], ids, lv[4], E, False).backward(go)
+        peer.PrimeRlFusedMoE.apply(lv[0], lv[1], lv[2], lv[3], ids, lv[4], E, False).backward(go)
 
     errs = errors(ours(0))
     kernels = profile_kernels(ours) if args.profile else None
@@ -678,11 +679,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"liger unavailable: {e}")
 
-    mx_skip = None
-    if not args.mxfp8:
-        mx_skip = "--no-mxfp8"
-    elif not hasattr(kernel, "fused_moe_mxfp8"):
-        mx_skip = "the loaded flash_moe has no fused_moe_mxfp8 (built before issue #5?)"
+    mx_skip = None if args.mxfp8 else "--no-mxfp8"
     if mx_skip:
         print(f"mxfp8 rows skipped: {mx_skip}")
 
@@ -765,7 +762,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"grouped_mm failed on {SHAPES[si]}: {e}")
 
-        if liger is not None and si in (0, 1, 4):  # the rows the issue lists Liger for
+        if liger is not None and si in LIGER_SHAPES:
             try:
                 def lig(i):
                     x, ids, wt = sets[i % len(sets)]

@@ -1,7 +1,7 @@
 """SonicMoE (sonic-moe 0.1.2.post1, CuTe DSL + QuACK GEMMs) as a peer of our MoE forward and
 backward, timed in one process beside our own rows on compare.py's BACKWARD_SHAPES.
 
-Why: the issue sets our backward's targets against SonicMoE's backward, ≥ 1.3× / 1.25× / 1.15× at
+Why: our backward's targets (flash_moe/DESIGN.md §8) are set against SonicMoE's backward, ≥ 1.3× / 1.25× / 1.15× at
 BACKWARD_SHAPES[0..2] (`TARGETS`), in the spaced timing (compare.median_ms: a GPU spin before each
 call) and back to back (ClockMonitor.sustained: ~1.5 s of calls, where the H200 runs at its power
 limit). Both must hold, so both are measured here, ours first on each shape (docs/DESIGN.md §9),
@@ -64,7 +64,7 @@ import kernel_package  # noqa: E402
 
 compare = kernel_package.load_file("flash_moe_compare", HERE / "compare.py")
 
-# The issue's backward targets, SonicMoE bwd ms / ours, by compare.BACKWARD_SHAPES index.
+# The backward's targets, SonicMoE bwd ms / ours, by compare.BACKWARD_SHAPES index.
 TARGETS = {0: 1.3, 1: 1.25, 2: 1.15}
 FWD_NOTE = "training forward through autograd (inputs require grad: saves what the backward needs), routing included"
 

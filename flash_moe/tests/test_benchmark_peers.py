@@ -119,7 +119,7 @@ def test_sonicmoe_peer_without_sonicmoe_exits_cleanly(sonicmoe_peer, monkeypatch
 
 
 def test_sonicmoe_peer_shapes_targets_and_routing(sonicmoe_peer, compare):
-    """By default the issue's three backward shapes, each with its target; SonicMoE's routing
+    """By default the three backward shapes with a SonicMoE target, each with its target; SonicMoE's routing
     inputs name, for slot t * top_k + k (how our (T, top_k) topk_weights flatten), token t
     (ascending, as it requires) and expert ids[t, k], both int32."""
     shapes = [int(s) for s in sonicmoe_peer.parse_args([]).shapes.split(",")]

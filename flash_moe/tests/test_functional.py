@@ -1,9 +1,8 @@
-"""The differentiable `moe`'s backwards on the CPU: the composed `moe_backward` and the fused
-path's `fused_backward` (with the reference `fused_moe_bf16_dgrad` and `fused_moe_bf16_wgrad` standing
-in for the kernels),
-their gradients against fp64 autograd through the reference, with the reference `moe_align`
-standing in for the kernel's (same layout); and the pre-activation layout. The GPU tests
-(test_moe_backward_gpu.py, test_fused_dgrad_gpu.py, test_fused_wgrad_gpu.py) run them with the kernels."""
+"""The differentiable `moe` on the CPU, the references standing in for the kernels (same
+layouts): its two backwards, `composed_backward` and `fused_backward`, and `moe` itself (which
+backward it picks, and its gradients), against fp64 autograd through the reference; and the
+pre-activation layout. The GPU tests (test_moe_backward_gpu.py, test_fused_dgrad_gpu.py,
+test_fused_wgrad_gpu.py) run them with the kernels."""
 
 import pathlib
 
@@ -18,11 +17,12 @@ MEMBER_DIR = pathlib.Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def functional(reference):
     def unused(*args, **kwargs):
-        raise AssertionError("the backward runs no forward op")
+        raise AssertionError("no MXFP8 op runs in these tests")
 
     return kernel_package.load_submodule(
         "flash_moe_functional_parent", MEMBER_DIR / "torch-ext" / "flash_moe", "functional",
-        moe_align=reference.moe_align, fused_moe_bf16=unused, fused_moe_mxfp8=unused, quantize_mxfp8=unused,
+        moe_align=reference.moe_align, fused_moe_bf16=reference.fused_moe_bf16, fused_moe_mxfp8=unused,
+        quantize_mxfp8=unused,
         fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
         preact_numel=lambda L, I: 2 * L * I)
 
@@ -60,14 +60,12 @@ def _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out):
                                                  (1, 64, 32, 8, 2, 0.0), (40, 64, 32, 16, 1, 0.0)])
 def test_backward_matches_fp64_autograd(functional, reference, M, K, I, E, top_k, drop):
     x, w1, w2, w3, ids, scores, grad_out = _problem(M, K, I, E, top_k, drop, seed=M + E)
-    grads = functional.moe_backward(grad_out, x, w1, w2, w3, ids, scores)
+    grads = functional.composed_backward(grad_out, x, w1, w2, w3, ids, scores)
     _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
-    assert all(torch.equal(a, b) for a, b in zip(grads, functional.moe_backward(grad_out, x, w1, w2, w3, ids, scores)))
-    only_w2 = functional.moe_backward(grad_out, x, w1, w2, w3, ids, scores, (False, False, True, False, False))
+    assert all(torch.equal(a, b) for a, b in zip(grads, functional.composed_backward(grad_out, x, w1, w2, w3, ids, scores)))
+    only_w2 = functional.composed_backward(grad_out, x, w1, w2, w3, ids, scores, (False, False, True, False, False))
     assert only_w2[2] is not None and all(t is None for i, t in enumerate(only_w2) if i != 2)
     assert torch.equal(only_w2[2], grads[2])
-
-
 
 
 @pytest.mark.parametrize("M,K,I,E,top_k,drop", [(64, 64, 64, 4, 2, 0.0), (50, 128, 128, 8, 3, 0.25),
@@ -81,6 +79,34 @@ def test_fused_backward_matches_fp64_autograd(functional, reference, M, K, I, E,
                              preact=preact)
     grads = functional.fused_backward(grad_out, x, w1, w2, w3, scores, (sorted_ids, expert_ids, ntpp, top_k), preact)
     _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
+
+
+@pytest.mark.parametrize("I,fused", [(32, False), (64, True)])
+def test_moe_picks_its_backward_and_matches_fp64_autograd(functional, reference, monkeypatch, I, fused):
+    """`moe` runs `fused_backward` exactly when fused_backward_serves(I), else `composed_backward`;
+    its output and gradients (fp32 master weights: fp32 gradients) match fp64 autograd, and a
+    repeat gives the same bits."""
+    x, w1, w2, w3, ids, scores, grad_out = _problem(48, 64, I, 8, 2, 0.2, seed=I)
+    assert functional.fused_backward_serves(I) == fused
+    ran = []
+    for name in ("fused_backward", "composed_backward"):
+        original = getattr(functional, name)
+        monkeypatch.setattr(functional, name, lambda *a, _f=original, _n=name, **k: ran.append(_n) or _f(*a, **k))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3, scores)]
+        out = functional.moe(leaves[0], leaves[1], leaves[2], leaves[3], ids, leaves[4])
+        out.backward(grad_out)
+        return out.detach(), [t.grad for t in leaves]
+
+    out, grads = run()
+    assert ran == ["fused_backward" if fused else "composed_backward"]
+    _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
+    want = reference.moe_fp32(x.double(), torch.cat([w1, w3], 1).double(), w2.double(), ids.to(torch.int32),
+                              scores.double(), dtype=torch.float64)
+    assert out.dtype == x.dtype and _rel(out, want) < 2e-2
+    out2, grads2 = run()
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
 
 
 def test_preact_layout_is_a_permutation(reference):

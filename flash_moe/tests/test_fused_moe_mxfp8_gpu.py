@@ -1,4 +1,4 @@
-"""GPU tests of quantize_mxfp8, dequantize_mxfp8 and fused_moe_mxfp8 (issue #5) against the
+"""GPU tests of quantize_mxfp8, dequantize_mxfp8 and fused_moe_mxfp8 against the
 pure-PyTorch references and fp32 truth on the original (unquantized) inputs."""
 
 import math

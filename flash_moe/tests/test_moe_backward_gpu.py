@@ -1,11 +1,14 @@
 """GPU tests of the differentiable `flash_moe.moe` (docs/DESIGN.md §5.1): every gradient against
-fp64 truth, no worse than 1.5x the error of prime-rl's PyTorch backward (restated below as the
-peer) on the same inputs; bit-identical repeats; graph capture; the edge cases; fp32 master
-weights; and prime-rl's `_FusedMoE` calling pattern with `moe` in its place."""
+fp64 truth, no worse than 1.5x the error of prime-rl's PyTorch backward (the peer, restated in
+prime_rl_peer.py) on the same inputs; bit-identical repeats; graph capture; the edge cases; fp32
+master weights; and prime-rl's `_FusedMoE` calling pattern with `moe` in its place. Both
+backwards run: the fused kernels (I % 64 == 0) and the composed one (other I)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from cuda_graph_check import assert_graph_replays_eager
+from prime_rl_peer import PrimeRlFusedMoE, prime_rl_backward
 
 pytestmark = pytest.mark.gpu
 
@@ -48,55 +51,6 @@ def _truth(reference, x, w1, w2, w3, ids, scores, grad_out):
     return out.detach(), [t.grad for t in leaves]
 
 
-# ---------------------------------------------------------------- the peer: prime-rl's backward
-# Restated from prime-rl's `_run_experts_fused_backward_bf16` (src/prime_rl/trainer/models/layers/
-# moe.py): padded copies of the sorted x and grad_out, the gate/up GEMMs re-run, fp32
-# temporaries, an index_add for grad_x.
-
-def _aligned_group_layout(counts, num_routed, num_experts, align_m):
-    aligned_counts = torch.clamp((counts + align_m - 1) // align_m, min=1) * align_m
-    shift = (torch.cumsum(aligned_counts, 0) - aligned_counts) - (torch.cumsum(counts, 0) - counts)
-    dst = torch.arange(num_routed, device=counts.device) + shift.repeat_interleave(counts)
-    buf_rows = -(-(num_routed + align_m * num_experts) // align_m) * align_m
-    aligned_counts[-1] += buf_rows - aligned_counts.sum()
-    return aligned_counts, dst, buf_rows
-
-
-def prime_rl_backward(grad_out, x, w1, w2, w3, selected_experts_indices, top_scores, num_experts):
-    top_k = selected_experts_indices.shape[1]
-    flat_experts = selected_experts_indices.reshape(-1)
-    num_tokens_per_expert = torch.histc(flat_experts.float(), bins=num_experts, min=0, max=num_experts)
-    order = torch.argsort(flat_experts, stable=True)
-    token_idx = order // top_k
-    counts = num_tokens_per_expert.to(torch.int64)
-    aligned_counts, dst, buf_rows = _aligned_group_layout(counts, order.numel(), num_experts, 16)
-    offs = torch.cumsum(aligned_counts, dim=0, dtype=torch.int32)
-    w1b, w2b, w3b = w1.bfloat16(), w2.bfloat16(), w3.bfloat16()
-    x_sorted = x.new_zeros(buf_rows, x.shape[1], dtype=torch.bfloat16)
-    x_sorted[dst] = x[token_idx].bfloat16()
-    g_sorted = grad_out.new_zeros(buf_rows, grad_out.shape[1], dtype=torch.bfloat16)
-    g_sorted[dst] = grad_out[token_idx].bfloat16()
-    scores_sorted = top_scores.new_zeros(buf_rows, 1)
-    scores_sorted[dst] = top_scores.reshape(-1)[order].reshape(-1, 1)
-    a = torch._grouped_mm(x_sorted, w1b.transpose(-2, -1), offs=offs)
-    b = torch._grouped_mm(x_sorted, w3b.transpose(-2, -1), offs=offs)
-    silu_a = F.silu(a)
-    h = silu_a * b
-    g2 = torch._grouped_mm(g_sorted, w2b, offs=offs)
-    grad_s = (h.float() * g2.float()).sum(dim=-1)[dst]
-    grad_scores = torch.zeros_like(top_scores.reshape(-1)).index_copy(0, order, grad_s.to(top_scores.dtype))
-    grad_h = (g2.float() * scores_sorted).to(torch.bfloat16)
-    grad_a = torch.ops.aten.silu_backward(grad_h * b, a)
-    grad_b = grad_h * silu_a
-    grad_rows = torch._grouped_mm(grad_a, w1b, offs=offs) + torch._grouped_mm(grad_b, w3b, offs=offs)
-    grad_x = torch.zeros_like(x).index_add(0, token_idx, grad_rows[dst].type_as(x))
-    grad_w1 = torch._grouped_mm(grad_a.t(), x_sorted, offs=offs).type_as(w1)
-    grad_w3 = torch._grouped_mm(grad_b.t(), x_sorted, offs=offs).type_as(w3)
-    grad_y = (g_sorted.float() * scores_sorted).to(torch.bfloat16)
-    grad_w2 = torch._grouped_mm(grad_y.t(), h, offs=offs).type_as(w2)
-    return [grad_x, grad_w1, grad_w2, grad_w3, grad_scores.reshape_as(top_scores)]
-
-
 # ---------------------------------------------------------------- accuracy against fp64 truth
 
 CASES = [
@@ -111,6 +65,7 @@ CASES = [
     (1, 2048, 768, 64, 8, torch.float32, 0.0, None),  # M = 1
     (200, 512, 256, 8, 1, torch.bfloat16, 0.0, None),  # top_k = 1
     (512, 2048, 768, 256, 8, torch.bfloat16, 0.0, None),  # E = 256, most experts with a few tokens
+    (300, 1024, 200, 16, 4, torch.float32, 0.1, None),  # I % 64 != 0: the composed backward
 ]
 
 
@@ -162,16 +117,26 @@ def test_bit_identical_repeats(kernel):
             assert torch.equal(a, b)
 
 
-def test_backward_graph_capture_replays_eager(kernel):
-    from cuda_graph_check import assert_graph_replays_eager  # here: compare.py loads this file outside pytest
-    x, w1, w2, w3, ids, scores, g = _inputs(1024, 1024, 512, 32, 4, seed=5)
-    eager = kernel.functional.moe_backward(g, x, w1, w2, w3, ids, scores)
-    graph, captured = assert_graph_replays_eager(lambda: kernel.functional.moe_backward(g, x, w1, w2, w3, ids, scores),
-                                                 eager)
-    # new routing in the same buffers replays correctly too
-    ids.copy_(torch.roll(ids, 1, dims=0))
+@pytest.mark.parametrize("I", [512, 200])  # the fused backward; the composed one (I % 64 != 0)
+def test_backward_graph_capture_replays_eager(kernel, I):
+    """The backward `moe` runs for I, captured in a CUDA graph: replays match eager, also after
+    the routing buffers change."""
+    F_ = kernel.functional
+    x, w1, w2, w3, ids, scores, g = _inputs(1024, 1024, I, 32, 4, seed=5)
+    if F_.fused_backward_serves(I):
+        routing = (*kernel.moe_align(ids.int(), 32), 4)
+        preact = torch.empty(kernel.preact_numel(routing[0].numel(), I), dtype=torch.bfloat16, device="cuda")
+        F_._forward(x, w1, w2, w3, scores, routing, False, preact)  # routing stays fixed: the forward's
+
+        def backward():
+            return F_.fused_backward(g, x, w1, w2, w3, scores, routing, preact)
+    else:
+        def backward():
+            return F_.composed_backward(g, x, w1, w2, w3, ids, scores)
+    graph, captured = assert_graph_replays_eager(backward, backward())
+    g.copy_(torch.roll(g, 1, dims=0))  # new values in the same buffers replay correctly too
     graph.replay()
-    for a, b in zip(captured, kernel.functional.moe_backward(g, x, w1, w2, w3, ids, scores)):
+    for a, b in zip(captured, backward()):
         assert torch.equal(a, b)
 
 
@@ -197,24 +162,6 @@ def test_bad_inputs_name_the_argument(kernel):
 
 # ---------------------------------------------------------------- prime-rl's layer, unchanged
 
-class _PrimeRlFusedMoE(torch.autograd.Function):
-    """prime-rl's `_FusedMoE`: our forward, its hand-written bf16 backward (for MXFP8 prime-rl
-    re-runs a bf16 reference through autograd: the same gradients, computed another way)."""
-
-    @staticmethod
-    def forward(ctx, x, w1, w2, w3, selected_experts_indices, top_scores, num_experts, mxfp8):
-        ctx.save_for_backward(x, w1, w2, w3, selected_experts_indices, top_scores)
-        ctx.num_experts = num_experts
-        return _PrimeRlFusedMoE.kernel.moe(x.detach(), w1.detach(), w2.detach(), w3.detach(), selected_experts_indices,
-                                           top_scores.detach(), mxfp8=mxfp8)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, w1, w2, w3, ids, scores = ctx.saved_tensors
-        gx, gw1, gw2, gw3, gs = prime_rl_backward(grad_out, x, w1, w2, w3, ids, scores, ctx.num_experts)
-        return gx, gw1, gw2, gw3, None, gs, None, None
-
-
 def _drop_in(kernel):
     """What replaces `_FusedMoE.apply` in prime-rl's layer: the same positional arguments."""
     return lambda x, w1, w2, w3, ids, scores, num_experts, mxfp8: kernel.moe(x, w1, w2, w3, ids, scores, mxfp8=mxfp8)
@@ -225,7 +172,7 @@ def test_replaces_prime_rls_fused_moe(kernel, reference, mxfp8):
     """prime-rl's MoE._run_fused_routed_experts calls _FusedMoE.apply(x, w1, w2, w3, ids, scores,
     num_experts, mxfp8) on GroupedExperts' fp32 parameters; `moe` runs in its place unchanged and
     gives fp32 gradients no less accurate than prime-rl's backward."""
-    _PrimeRlFusedMoE.kernel = kernel
+    PrimeRlFusedMoE.kernel = kernel
     E, K, I, T, top_k = 16, 1024, 512, 512, 4
 
     class GroupedExperts(torch.nn.Module):
@@ -248,7 +195,7 @@ def test_replaces_prime_rls_fused_moe(kernel, reference, mxfp8):
         return out, [x.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad, logits.grad]
 
     out, ours = run(_drop_in(kernel))
-    _, theirs = run(_PrimeRlFusedMoE.apply)
+    _, theirs = run(PrimeRlFusedMoE.apply)
     assert out.dtype == torch.bfloat16
     assert [t.dtype for t in ours] == [torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.float32]
 

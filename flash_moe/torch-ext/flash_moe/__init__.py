@@ -17,8 +17,8 @@ Public surface (docs/DESIGN.md §5):
   ``pack_scales_blocked(scales)`` ((..., MN, K/32) -> flat, each leading index packed on its own;
   pure PyTorch, runs on the GPU too).
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8=False)``: align + fused op in one call,
-  differentiable w.r.t. x, w1, w2, w3 and topk_weights (`functional`; docs/DESIGN.md §5.1);
-  ``moe_backward`` its gradients; ``layers.MoEExperts`` the layer for `kernels.kernelize`.
+  differentiable w.r.t. x, w1, w2, w3 and topk_weights (its backwards are in `functional`;
+  docs/DESIGN.md §5.1); ``layers.MoEExperts`` the layer for `kernels.kernelize`.
 - ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False)``: the ``bpc``
   (1, or 2 = CTA pairs) measured fastest for a shape; both fused ops use it when ``bpc=None``
   (their default).
@@ -54,7 +54,6 @@ __all__ = [
     "preact_numel",
     "fused_moe_mxfp8",
     "moe",
-    "moe_backward",
     "preferred_bpc",
     "unsupported_shape_reason",
     "quantize_mxfp8",
@@ -424,4 +423,4 @@ def _dequantize_mxfp8_fake(vals, scales):
 
 # Last: the differentiable `moe` and the layers call the ops above.
 from . import functional, layers  # noqa: E402
-from .functional import moe, moe_backward  # noqa: E402
+from .functional import moe  # noqa: E402

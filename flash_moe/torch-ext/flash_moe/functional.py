@@ -6,13 +6,13 @@ topk_weights, each in its input's dtype, deterministic (no float atomics: every 
 order), no host synchronisation. The MXFP8 forward's backward is the bf16 one on the original
 inputs (straight-through), as prime-rl's layer does.
 
-Two backwards, one per shape class:
+Two backwards; `moe` picks by `fused_backward_serves(I)`:
 - `fused_backward` (I % 64 == 0, every shape of DESIGN): the bf16 forward saves the gate/up
   pre-activations (2 * L * I bf16, `preact`) and `fused_moe_bf16_dgrad` turns grad_out into
   grad_x, dA|dB, s*h and the score gradient in two fused GEMMs, and `fused_moe_bf16_wgrad` the
   three weight gradients in two more (each expert's token rows gathered in the operand loads).
-- `moe_backward` (any shape): composed from grouped GEMMs over moe_align's padded layout, the
-  pre-activations recomputed; the reference the fused path is tested beside.
+- `composed_backward` (any other I): composed from `torch._grouped_mm` over moe_align's padded
+  layout, the pre-activations recomputed.
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ def _gather_sum(rows: torch.Tensor, inv: torch.Tensor, top_k: int) -> torch.Tens
     return _by_slot(rows, inv).reshape(-1, top_k, *rows.shape[1:]).float().sum(1)
 
 
-def moe_backward(grad_out, x, w1, w2, w3, topk_ids, topk_weights, needs_input_grad=(True,) * 5):
+def composed_backward(grad_out, x, w1, w2, w3, topk_ids, topk_weights, needs_input_grad=(True,) * 5):
     """Gradients of `moe` w.r.t. (x, w1, w2, w3, topk_weights), each in its input's dtype (None
-    where `needs_input_grad` says so). Shapes as `moe`; grad_out (M, K)."""
+    where `needs_input_grad` says so), from grouped GEMMs with the pre-activations recomputed:
+    what `moe` runs when I % 64 != 0. Shapes as `moe`; grad_out (M, K), any float dtype
+    (computed in bf16)."""
     E, I, K = w1.shape
     top_k = topk_ids.shape[1]
     _, _, _, live, token, slot, offs, inv = _routing(topk_ids, E)
@@ -96,8 +98,9 @@ def moe_backward(grad_out, x, w1, w2, w3, topk_ids, topk_weights, needs_input_gr
     return tuple(None if g is None else g.to(t.dtype).contiguous() for g, t in zip(grads, inputs))
 
 
-def _fused_backward_serves(hidden_dim: int) -> bool:
-    """fused_moe_bf16_dgrad's rule: I a multiple of 64 (else the composed `moe_backward`)."""
+def fused_backward_serves(hidden_dim: int) -> bool:
+    """Whether `moe` runs `fused_backward` for this I: fused_moe_bf16_dgrad's rule, I a multiple
+    of 64 (else `composed_backward`)."""
     return hidden_dim % 64 == 0
 
 
@@ -132,7 +135,19 @@ def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> 
 def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5):
     """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
     the score gradient from the saved pre-activations), then `fused_moe_bf16_wgrad` (the three
-    weight gradients, each expert's rows the reduction). Same contract as `moe_backward`."""
+    weight gradients, each expert's rows the reduction). Needs `fused_backward_serves(I)`.
+
+    Args:
+        grad_out: (M, K) gradient of `moe`'s output, any float dtype (computed in bf16).
+        x, w1, w2, w3, topk_weights: `moe`'s inputs (shapes and dtypes as there).
+        routing: (sorted_token_ids, expert_ids, num_tokens_post_padded, top_k) of `moe_align`
+            on the forward's topk_ids.
+        preact: the bf16 tensor of `preact_numel(len(sorted_token_ids), I)` elements that
+            `fused_moe_bf16(..., preact=)` filled in the forward on the same routing.
+        needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
+
+    Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
+    Deterministic (no float atomics), no host synchronisation, CUDA-graph capturable."""
     sorted_ids, expert_ids, ntpp, top_k = routing
     E = w1.shape[0]
     bf = torch.bfloat16
@@ -155,7 +170,7 @@ class _MoE(torch.autograd.Function):
         top_k = topk_ids.shape[1]
         sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), E)
         routing = (sorted_ids, expert_ids, ntpp, top_k)
-        fused = training and _fused_backward_serves(I)
+        fused = training and fused_backward_serves(I)
         # The bf16 forward saves the pre-activations for the fused backward as it runs; the MXFP8
         # forward's backward (straight-through, bf16) recomputes them with the bf16 forward.
         preact = None
@@ -179,7 +194,7 @@ class _MoE(torch.autograd.Function):
                 _forward(x, w1, w2, w3, topk_weights, routing, False, preact)
             grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs)
         else:
-            grads = moe_backward(grad_out.contiguous(), x, w1, w2, w3, topk_ids, topk_weights, needs)
+            grads = composed_backward(grad_out.contiguous(), x, w1, w2, w3, topk_ids, topk_weights, needs)
         gx, gw1, gw2, gw3, gs = grads
         return gx, gw1, gw2, gw3, None, gs, None, None
 

@@ -15,6 +15,11 @@ held to:
 - `fused_moe_mxfp8`: the same computation (one shared implementation, `_fused_moe_blocks`) on
   the exactly dequantized MXFP8 inputs `q * 2^(byte-127)` (fp32); h is rounded to bf16, not
   requantized. A scale byte of 255 (e8m0 NaN) makes its whole block NaN.
+- `fused_moe_bf16_dgrad`, `fused_moe_bf16_wgrad`: the backward's data and weight gradients by
+  sorted position, fp32 sums rounded to bf16 as the kernels round; `pack_preact` /
+  `unpack_preact`: the saved pre-activations' layout (the kernels' fragment order).
+- `grouped_mm_path`: the unfused bf16 path (sort, gather, per-expert GEMMs, weight, index_add),
+  the accuracy peer the tests hold the fused op to.
 - `moe_fp32`: the exact definition in fp32 (truth for accuracy tests).
 - `quantize_mxfp8`, `pack_scales_blocked`: docs/DESIGN.md §6 (RCEIL scales, e4m3 saturating
   RNE, blocked 128x4 scale layout; the rules themselves are in `mxfp8_rules`);
@@ -138,12 +143,15 @@ def _fused_moe_blocks(xf, expert_weights, num_experts, sorted_token_ids, expert_
 
 
 def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k,
-                   block_m: int = BLOCK_M, split: bool = True, preact=None):
-    """Reference of `flash_moe.fused_moe_bf16` (fp32 accumulation, bf16 h, bf16 per-slot rows).
+                   block_m: int = BLOCK_M, block_n: int = 128, warp_n: int = 128, stages: int = 4, bpc=None,
+                   cpc: int = 1, split: bool = True, preact=None):
+    """Reference of `flash_moe.fused_moe_bf16` (fp32 accumulation, bf16 h, bf16 per-slot rows),
+    with the op's signature.
 
     Writes `out` in place and returns it: split=True overwrites out, split=False adds into it.
     preact: filled with `pack_preact` of the bf16 pre-activations by sorted position (zero at
-    padding positions).
+    padding positions). block_n, warp_n, stages, bpc, cpc are the kernel's tuning arguments; they
+    do not change the result and are ignored here.
     """
     if preact is not None:
         a, u = _preactivations(x, w, sorted_token_ids, num_tokens_post_padded, expert_ids, top_k, block_m)
