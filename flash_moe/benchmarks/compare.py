@@ -1,16 +1,15 @@
 """Side-by-side benchmark of fused_moe_bf16 and fused_moe_mxfp8 (docs/DESIGN.md §9), all in one run.
 
 Measures the ceilings (device-to-device copy, 8192^3 bf16 matmul), our op (moe_align INCLUDED
-in the prime-kernels row; the op alone is printed too), the unfused path (sort, gather, three
-torch._grouped_mm, SwiGLU, weight, index_add), its three grouped GEMMs alone on inputs already
-sorted and gathered (`grouped_mm GEMMs only`: torch._grouped_mm is CUTLASS's Hopper grouped
+in the prime-kernels row; the op alone is printed too), the unfused path
+(`reference.grouped_mm_path`: sort, gather, three torch._grouped_mm, SwiGLU, weight, index_add),
+its three grouped GEMMs alone on inputs already sorted and gathered (`grouped_mm GEMMs only`: torch._grouped_mm is CUTLASS's Hopper grouped
 GEMM, the library kernel our hand-written GEMMs are measured against; no rel_err, it is not the
 whole op) and Liger's LigerFusedMoEFunction (autotune off) on the docs/DESIGN.md §9 shapes. CUDA
 events, median of >= 20 timed calls after warm-up; x/routing rotate over several copies (the
 expert weights alone exceed the 50 MB L2 in every shape).
 
-MXFP8 (unless --no-mxfp8; skipped with a printed reason when the module has no
-fused_moe_mxfp8): the same shapes with x, w, w2 quantized from the bf16 originals, as
+MXFP8 (unless --no-mxfp8): the same shapes with x, w, w2 quantized from the bf16 originals, as
 `fused_moe_mxfp8` (moe_align included), `dequant+grouped_mm` (plain torch dequantization to bf16,
 then the unfused path) and `dequant+fused_bf16` (dequantize_mxfp8 of everything, then
 fused_moe_bf16); every dequantization is inside the timed call. Their rel_err_vs_fp32 is against
@@ -164,26 +163,13 @@ def window_stats(samples, t0, t1):
 
 
 def sorted_gemm_inputs(x, ids, wg, wu, E):
-    """The unfused path up to its down GEMM: the slot order by expert, each sorted slot's token,
-    the rows of x gathered in that order, the SwiGLU output h and the group offsets."""
-    top_k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-    tok = order // top_k
-    xs = x[tok]
+    """The inputs of the unfused path's GEMMs (`reference.grouped_mm_path`, every id in [0, E)),
+    pre-gathered: the rows of x sorted by expert, the SwiGLU output h and the group offsets."""
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    offs = torch.cumsum(torch.bincount(ids.reshape(-1), minlength=E), 0).to(torch.int32)
+    xs = x[order // ids.shape[1]]
     h = torch.nn.functional.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
-    return order, tok, xs, h, offs
-
-
-def unfused(x, wg, wu, w2t, ids, wt, E):
-    """sort, gather, three grouped GEMMs, SwiGLU, weight, index_add (all bf16, no host sync)."""
-    order, tok, _, h, offs = sorted_gemm_inputs(x, ids, wg, wu, E)
-    y = torch._grouped_mm(h, w2t, offs=offs)
-    y = y * wt.reshape(-1)[order].to(y.dtype)[:, None]
-    out = torch.zeros_like(x)
-    out.index_add_(0, tok, y)
-    return out
+    return xs, h, offs
 
 
 def grouped_gemms(xs, h, offs, wg, wu, w2t):
@@ -333,7 +319,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
         def deq_unfused(i):
             (xq, xs), ids, wt = qsets[i % n_sets]
             xd, wd, w2d = torch_dequant(xq, xs), torch_dequant(wq, ws_rm), torch_dequant(w2q, w2s_rm)
-            return unfused(xd, wd[:, :I].transpose(1, 2), wd[:, I:].transpose(1, 2), w2d.transpose(1, 2), ids, wt, E)
+            return ref.grouped_mm_path(xd, wd, w2d, ids, wt)
 
         err_u = rel(deq_unfused(0))
         row("dequant+grouped_mm", median_ms(deq_unfused, args.iters), err_u)
@@ -745,12 +731,12 @@ def main():
 
             def peer(i):
                 x, ids, wt = sets[i % len(sets)]
-                return unfused(x, wg, wu, w2t, ids, wt, E)
+                return ref.grouped_mm_path(x, w, w2, ids, wt)
 
             err_u = rel(peer(0))
             moe_row(rows, "fused_moe_bf16", "grouped_mm", SHAPES[si], median_ms(peer, args.iters), err_u)
 
-            gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E)[2:] for (x, ids, _) in sets]
+            gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E) for (x, ids, _) in sets]
 
             def gemms_only(i):
                 return grouped_gemms(*gemm_inputs[i % len(gemm_inputs)], wg, wu, w2t)

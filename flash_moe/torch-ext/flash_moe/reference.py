@@ -18,8 +18,8 @@ held to:
 - `fused_moe_bf16_dgrad`, `fused_moe_bf16_wgrad`: the backward's data and weight gradients by
   sorted position, fp32 sums rounded to bf16 as the kernels round; `pack_preact` /
   `unpack_preact`: the saved pre-activations' layout (the kernels' fragment order).
-- `grouped_mm_path`: the unfused bf16 path (sort, gather, per-expert GEMMs, weight, index_add),
-  the accuracy peer the tests hold the fused op to.
+- `grouped_mm_path`: the unfused bf16 path (sort, gather, three `torch._grouped_mm`, weight,
+  index_add): the accuracy peer the tests hold the fused op to, and the benchmark's peer.
 - `moe_fp32`: the exact definition in fp32 (truth for accuracy tests).
 - `quantize_mxfp8`, `pack_scales_blocked`: docs/DESIGN.md §6 (RCEIL scales, e4m3 saturating
   RNE, blocked 128x4 scale layout; the rules themselves are in `mxfp8_rules`);
@@ -306,41 +306,31 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
 
 
 def grouped_mm_path(x, w, w2, topk_ids, topk_weights):
-    """The unfused bf16 path (sort, gather, per-expert bf16 GEMMs, weight, index_add) in bf16.
+    """The unfused bf16 path: slots sorted by expert, x gathered, three `torch._grouped_mm` GEMMs
+    (gate, up, down) with SwiGLU between, each row weighted, `index_add` over tokens.
 
-    Used as the accuracy yardstick: the fused kernel's error vs fp32 must be <= 1.5x this one's.
+    Shapes and dtypes as `fused_moe_bf16` (x (M, K), w (E, 2I, K), w2 (E, K, I) bf16), topk_ids
+    (M, top_k), topk_weights (M, top_k); ids outside [0, E) contribute nothing. No host
+    synchronisation. The accuracy yardstick of the tests (the fused op's error vs fp32 must be
+    <= 1.5x this path's) and the benchmark's `grouped_mm` peer.
     """
-    M, K = x.shape
     E, N, _ = w.shape
     I = N // 2
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    valid = (ids >= 0) & (ids < E)
-    slots = torch.nonzero(valid).reshape(-1)
-    order = torch.argsort(ids[slots], stable=True)
-    slots = slots[order]
-    tok = slots // topk_ids.shape[1]
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    live = (flat >= 0) & (flat < E)
+    key = torch.where(live, flat, E)  # dropped slots sort last, past every group
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
+    tok = order // top_k
     xs = x[tok]
-    counts = torch.bincount(ids[slots], minlength=E).tolist()
-    out = torch.zeros(M, K, dtype=x.dtype, device=x.device)
-    start = 0
-    ys = []
-    for e in range(E):
-        c = counts[e]
-        if c == 0:
-            continue
-        xe = xs[start:start + c]
-        g = xe @ w[e, :I].T
-        u = xe @ w[e, I:].T
-        h = torch.nn.functional.silu(g) * u
-        ys.append(h @ w2[e].T)
-        start += c
-    if ys:
-        y = torch.cat(ys) * topk_weights.reshape(-1)[slots].to(x.dtype)[:, None]
-        out.index_add_(0, tok, y)
-    return out
-
-
-# ---------------------------------------------------------------- MXFP8 (docs/DESIGN.md §6)
+    h = torch.nn.functional.silu(torch._grouped_mm(xs, w[:, :I].transpose(1, 2), offs=offs)) * torch._grouped_mm(
+        xs, w[:, I:].transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
+    y = torch.where(live[order][:, None], y, 0)  # rows past the last group are not computed
+    return torch.zeros_like(x).index_add_(0, tok, y)
 
 
 def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
