@@ -12,11 +12,9 @@ def demo_rmsnorm(rmsnorm) -> str:
     vals, scales, rrms = rmsnorm.fused_rmsnorm_residual(branch, residual, weight)
     b = branch.float()
     y = b * torch.rsqrt(b.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float() + residual.float()
-    # Unpack the blocked scales (docs/DESIGN.md §6) to one exponent per 32-wide block, then dequantize.
+    # The blocked scales (docs/DESIGN.md §6) back to one exponent per 32-wide block, then dequantize.
     s = c // 32
-    r, k = torch.arange(n, device="cuda")[:, None], torch.arange(s, device="cuda")[None, :]
-    offset = ((r // 128) * ((s + 3) // 4) + k // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + k % 4
-    exponent = scales.view(torch.uint8).flatten()[offset].float() - 127
+    exponent = rmsnorm.reference.unpack_scales_blocked(scales, n, s).view(torch.uint8).float() - 127
     deq = vals.float().view(n, s, 32) * torch.exp2(exponent)[..., None]
     err = ((deq.view(n, c) - y).norm() / y.norm()).item()
     return f"fused_rmsnorm_residual ({n}x{c}): MXFP8 round trip vs fp32, rel. error {err:.2e} (e4m3: ~3e-2)"
@@ -30,12 +28,7 @@ def demo_flash_moe(flash_moe) -> str:
     logits = torch.randn(tokens, experts, device="cuda")
     topk_weights, topk_ids = logits.softmax(-1).topk(top_k, dim=-1)
     out = flash_moe.moe(x, w1, w2, w3, topk_ids.int(), topk_weights)
-    ref = torch.zeros(tokens, dim, device="cuda")
-    for e in range(experts):
-        t, k = (topk_ids == e).nonzero(as_tuple=True)
-        h = x[t].float()
-        act = torch.nn.functional.silu(h @ w1[e].float().T) * (h @ w3[e].float().T)
-        ref.index_add_(0, t, topk_weights[t, k, None] * (act @ w2[e].float().T))
+    ref = flash_moe.reference.moe_fp32(x, torch.cat([w1, w3], 1), w2, topk_ids, topk_weights)  # the definition, fp32
     err = ((out.float() - ref).norm() / ref.norm()).item()
     return f"moe ({tokens} tokens, {dim}/{hidden}, {experts} experts, top-{top_k}): rel. error vs fp32 {err:.2e}"
 

@@ -22,7 +22,9 @@ Public surface (docs/DESIGN.md §5):
 - ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False)``: the ``bpc``
   (1, or 2 = CTA pairs) measured fastest for a shape; both fused ops use it when ``bpc=None``
   (their default).
-- ``BLOCK_M``, ``MXFP8_SCALE_BLOCK``, ``unsupported_shape_reason``, and ``reference``
+- ``BLOCK_M`` (defined in ``reference``, which the kernels' layout rules need without the native
+  code), ``BLOCK_N``, ``WARP_N``, ``STAGES``, ``STAGES_MXFP8`` (the tuning arguments' defaults),
+  ``MXFP8_K_BLOCK``, ``MXFP8_SCALE_BLOCK``, ``unsupported_shape_reason``, and ``reference``
   (pure-PyTorch references of every op).
 """
 
@@ -46,6 +48,11 @@ pack_scales_blocked = reference.pack_scales_blocked
 
 __all__ = [
     "BLOCK_M",
+    "BLOCK_N",
+    "WARP_N",
+    "STAGES",
+    "STAGES_MXFP8",
+    "MXFP8_K_BLOCK",
     "MXFP8_SCALE_BLOCK",
     "moe_align",
     "fused_moe_bf16",
@@ -390,7 +397,7 @@ def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, e
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_wgrad"))
 def _fused_moe_bf16_wgrad_fake(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                num_experts, top_k):
-    (M, K), I = x.shape, sh.shape[1]
+    K, I = x.shape[1], sh.shape[1]
     return (x.new_empty((num_experts, I, K)), x.new_empty((num_experts, I, K)), x.new_empty((num_experts, K, I)))
 
 

@@ -28,8 +28,6 @@ held to:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .mxfp8_rules import (  # noqa: F401  (blocked_offset: part of this module's surface)
@@ -37,8 +35,10 @@ from .mxfp8_rules import (  # noqa: F401  (blocked_offset: part of this module's
     blocked_offset,
     blocked_padded_shape,
     e4m3_saturating,
+    pack_scales_blocked,
     rceil_scale_bytes,
     scale_multiplier,
+    unpack_scales_blocked,
 )
 
 BLOCK_M = 128  # the binding's only block_m (kBlockM); flash_moe/tests/test_op_contract_gpu.py checks it
@@ -356,45 +356,6 @@ def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
     if blocked:
         scales = pack_scales_blocked(scales if scales.dim() >= 2 else scales[None])
     return vals, scales.view(torch.float8_e8m0fnu)
-
-
-def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
-    """(..., R, S) scale bytes (uint8 or float8_e8m0fnu) -> flat, same dtype, in the 128x4 blocked
-    layout: each (R, S) matrix of the leading indices packed on its own (R padded to 128, S to 4,
-    zeros), the packs concatenated in index order. A 2-D (R, S) input is one matrix.
-
-    This is the layout `fused_moe_mxfp8` reads for expert-batched weight scales, (E, 2I, K/32) and
-    (E, K, I/32): expert e's pack starts at e * ceil(R/128) * 128 * ceil(S/4) * 4 bytes. It equals
-    packing the (E*R, S) flattening as one matrix only when R % 128 == 0.
-    """
-    if scales.dim() < 2:
-        raise ValueError(f"pack_scales_blocked: scales must be (..., R, S), got shape {tuple(scales.shape)}")
-    dtype = scales.dtype
-    scales = scales.view(torch.uint8) if dtype == torch.float8_e8m0fnu else scales
-    *lead, R, S = scales.shape
-    B = math.prod(lead)
-    Rp, Sp = blocked_padded_shape(R, S)
-    p = torch.zeros(B, Rp, Sp, dtype=torch.uint8, device=scales.device)
-    p[:, :R, :S] = scales.reshape(B, R, S).to(torch.uint8)
-    # (B, Rp/128, 4, 32, Sp/4, 4) -> (B, Rp/128, Sp/4, 32, 4(r%128//32), 4(s%4))
-    b = p.view(B, Rp // 128, 4, 32, Sp // 4, 4).permute(0, 1, 4, 3, 2, 5)
-    return b.reshape(-1).contiguous().view(dtype if dtype == torch.float8_e8m0fnu else torch.uint8)
-
-
-def unpack_scales_blocked(flat: torch.Tensor, *shape: int) -> torch.Tensor:
-    """Inverse of `pack_scales_blocked`: the flat blocked layout -> the row-major scales of
-    `shape` = (..., R, S), same dtype (uint8 or float8_e8m0fnu). The padding bytes are dropped."""
-    dtype = flat.dtype
-    b = flat.view(torch.uint8) if dtype == torch.float8_e8m0fnu else flat
-    *lead, R, S = shape
-    B = math.prod(lead)
-    Rp, Sp = blocked_padded_shape(R, S)
-    if b.numel() != B * Rp * Sp:
-        raise ValueError(f"unpack_scales_blocked: scales of shape {tuple(shape)} packs to {B * Rp * Sp} bytes, "
-                         f"got {b.numel()}")
-    # The permutation swaps dims 2 and 4 of (B, Rp/128, 4, 32, Sp/4, 4): it is its own inverse.
-    p = b.reshape(B, Rp // 128, Sp // 4, 32, 4, 4).permute(0, 1, 4, 3, 2, 5).reshape(B, Rp, Sp)
-    return p[:, :R, :S].reshape(*shape).contiguous().view(dtype)
 
 
 def _e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ Pure PyTorch, no native code; imported relatively by each reference.py.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MXFP8_SCALE_BLOCK = 32
@@ -77,3 +79,39 @@ def scales_numel(R: int, S: int) -> int:
     """Bytes of the blocked layout of an (R, S) scale matrix, padding included."""
     Rp, Sp = blocked_padded_shape(R, S)
     return Rp * Sp
+
+
+def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """(..., R, S) scale bytes (uint8 or float8_e8m0fnu) -> a flat buffer of the same dtype in the
+    blocked layout, zeros in the padding; each leading index's (R, S) matrix packed on its own,
+    one after another (so packing an (E, R, S) stack equals packing its (E*R, S) flattening only
+    when R % 128 == 0). Pad to `blocked_padded_shape`, view (B, R/128, 4, 32, S/4, 4), order
+    (0, 1, 4, 3, 2, 5): the bytes `blocked_offset` places, written with reshapes (torch.compile
+    handles it)."""
+    if scales.dim() < 2:
+        raise ValueError(f"pack_scales_blocked: scales must be (..., R, S), got shape {tuple(scales.shape)}")
+    dtype = scales.dtype
+    b = scales.view(torch.uint8) if dtype == torch.float8_e8m0fnu else scales.to(torch.uint8)
+    *lead, R, S = b.shape
+    B = math.prod(lead)
+    Rp, Sp = blocked_padded_shape(R, S)
+    padded = torch.nn.functional.pad(b.reshape(B, R, S), (0, Sp - S, 0, Rp - R))
+    blocks = padded.reshape(B, Rp // 128, 4, 32, Sp // 4, 4).permute(0, 1, 4, 3, 2, 5)
+    flat = blocks.reshape(-1)
+    return flat.view(dtype) if dtype == torch.float8_e8m0fnu else flat
+
+
+def unpack_scales_blocked(flat: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Inverse of `pack_scales_blocked`: the flat blocked layout -> the row-major scales of
+    `shape` = (..., R, S), same dtype (uint8 or float8_e8m0fnu). The padding bytes are dropped."""
+    dtype = flat.dtype
+    b = flat.view(torch.uint8) if dtype == torch.float8_e8m0fnu else flat
+    *lead, R, S = shape
+    B = math.prod(lead)
+    Rp, Sp = blocked_padded_shape(R, S)
+    if b.numel() != B * Rp * Sp:
+        raise ValueError(f"unpack_scales_blocked: scales of shape {tuple(shape)} packs to {B * Rp * Sp} bytes, "
+                         f"got {b.numel()}")
+    # The permutation swaps dims 2 and 4 of (B, Rp/128, 4, 32, Sp/4, 4): it is its own inverse.
+    p = b.reshape(B, Rp // 128, Sp // 4, 32, 4, 4).permute(0, 1, 4, 3, 2, 5).reshape(B, Rp, Sp)
+    return p[:, :R, :S].reshape(*shape).contiguous().view(dtype)

@@ -20,21 +20,12 @@ from .mxfp8_rules import (  # noqa: F401  (the rules are part of this module's s
     blocked_offsets,
     blocked_padded_shape,
     e4m3_satfinite,
+    pack_scales_blocked,
     rceil_scale_bytes,
     scale_multiplier,
     scales_numel,
+    unpack_scales_blocked,
 )
-
-
-def pack_scales_blocked(scales: torch.Tensor) -> torch.Tensor:
-    """(R, S) uint8 scale bytes -> flat uint8 buffer in the blocked layout, zeros in the padding.
-    (pad to (128*ceil(R/128), 4*ceil(S/4)), view (R/128, 4, 32, S/4, 4), order (0, 3, 2, 1, 4):
-    the same bytes as `blocked_offsets`, written with reshapes so torch.compile handles it.)"""
-    R, S = scales.shape
-    Rp, Sp = blocked_padded_shape(R, S)
-    padded = torch.nn.functional.pad(scales.to(torch.uint8), (0, Sp - S, 0, Rp - R))
-    blocks = padded.reshape(Rp // 128, 4, 32, Sp // 4, 4).permute(0, 3, 2, 1, 4)
-    return blocks.reshape(-1)
 
 
 def rrms_reference(branch: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
