@@ -155,6 +155,15 @@ def test_dgrad_bad_inputs_name_the_argument(kernel):
     out = torch.empty_like(x)
     with pytest.raises(RuntimeError, match="multiple of 64"):
         kernel.fused_moe_bf16(x, w96, w2_96, *routing, wts, out, 2, preact=preact)
+    # no tokens: the forward has nothing to run, and a preact of the wrong size still fails
+    x0, wts0 = x[:0], wts[:0]
+    routing0 = kernel.moe_align(ids[:0].int(), 4)
+    want = kernel.preact_numel(routing0[0].numel(), 128)
+    kernel.fused_moe_bf16(x0, w, w2, *routing0, wts0, torch.empty_like(x0), 2,
+                          preact=torch.empty(want, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(RuntimeError, match="preact must hold"):
+        kernel.fused_moe_bf16(x0, w, w2, *routing0, wts0, torch.empty_like(x0), 2,
+                              preact=torch.empty(want + 8, dtype=torch.bfloat16, device="cuda"))
 
 
 def test_saved_preact_is_the_reference_layout(kernel, reference):

@@ -262,6 +262,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   check_dtype(x, at::kBFloat16, op, "x");
   check_dtype(w, at::kBFloat16, op, "w");
   check_dtype(w2, at::kBFloat16, op, "w2");
+  if (preact) check_preact(*preact, x, d, op);  // before the M == 0 return: a bad preact fails at any M
   if (d.M == 0) return;
 
   const c10::cuda::CUDAGuard guard(x.device());
@@ -273,10 +274,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   a.w2 = w2.data_ptr();
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, ws);
   set_forward(a, out, stages, bpc, split);
-  if (preact) {
-    check_preact(*preact, x, d, op);
-    a.preact = preact->data_ptr();
-  }
+  if (preact) a.preact = preact->data_ptr();
   const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }
