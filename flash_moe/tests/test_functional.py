@@ -109,6 +109,21 @@ def test_moe_picks_its_backward_and_matches_fp64_autograd(functional, reference,
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
 
 
+def test_fused_moe_apply_takes_prime_rls_call(functional):
+    """FusedMoE.apply takes prime-rl's `_FusedMoE.apply` arguments and is `moe`, gradients too;
+    a num_experts other than the weights' expert count is refused by name."""
+    x, w1, w2, w3, ids, scores, grad_out = _problem(40, 64, 64, 8, 2, 0.0, seed=3)
+    results = []
+    for call in (lambda *a: functional.FusedMoE.apply(*a, 8, False), lambda *a: functional.moe(*a, mxfp8=False)):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3, scores)]
+        out = call(leaves[0], leaves[1], leaves[2], leaves[3], ids, leaves[4])
+        out.backward(grad_out)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with pytest.raises(ValueError, match="num_experts must equal w1.shape"):
+        functional.FusedMoE.apply(x, w1, w2, w3, ids, scores, 16, False)
+
+
 def test_preact_layout_is_a_permutation(reference):
     L, I = 256, 192
     idx = reference._preact_index(L, I).reshape(-1)

@@ -162,16 +162,12 @@ def test_bad_inputs_name_the_argument(kernel):
 
 # ---------------------------------------------------------------- prime-rl's layer, unchanged
 
-def _drop_in(kernel):
-    """What replaces `_FusedMoE.apply` in prime-rl's layer: the same positional arguments."""
-    return lambda x, w1, w2, w3, ids, scores, num_experts, mxfp8: kernel.moe(x, w1, w2, w3, ids, scores, mxfp8=mxfp8)
-
-
 @pytest.mark.parametrize("mxfp8", [False, True])
 def test_replaces_prime_rls_fused_moe(kernel, reference, mxfp8):
     """prime-rl's MoE._run_fused_routed_experts calls _FusedMoE.apply(x, w1, w2, w3, ids, scores,
-    num_experts, mxfp8) on GroupedExperts' fp32 parameters; `moe` runs in its place unchanged and
-    gives fp32 gradients no less accurate than prime-rl's backward."""
+    num_experts, mxfp8) on GroupedExperts' fp32 parameters; `FusedMoE.apply` takes that call
+    unchanged and gives fp32 gradients no less accurate than prime-rl's bf16 backward (for mxfp8
+    too: both backwards are bf16, against bf16 truth)."""
     PrimeRlFusedMoE.kernel = kernel
     E, K, I, T, top_k = 16, 1024, 512, 512, 4
 
@@ -194,7 +190,7 @@ def test_replaces_prime_rls_fused_moe(kernel, reference, mxfp8):
         out.float().square().mean().backward()
         return out, [x.grad, experts.w1.grad, experts.w2.grad, experts.w3.grad, logits.grad]
 
-    out, ours = run(_drop_in(kernel))
+    out, ours = run(kernel.FusedMoE.apply)
     _, theirs = run(PrimeRlFusedMoE.apply)
     assert out.dtype == torch.bfloat16
     assert [t.dtype for t in ours] == [torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.float32]

@@ -276,3 +276,21 @@ def test_fused_mxfp8_reference_rejects_bad_scales(reference):
     bad[3] = d["ws"][:-4]
     with pytest.raises(ValueError, match="packs to"):
         reference.fused_moe_mxfp8(*bad)
+
+
+def test_quantize_matches_torchaos_rceil_rule_on_bf16(reference):
+    """prime-rl quantizes bf16 tensors with torchao's to_mx RCEIL rule (amax / 448, ceil of log2);
+    our rule (amax * fp32(1/448), the exponent bits) gives the same bytes on bf16 inputs: random
+    blocks over 2^-30..2^30 and every bf16 amax in [448 * 2^-20, 448 * 2^20) in its own block."""
+    from prime_rl_peer import to_mx_rceil
+
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(2048, 256, generator=g) * torch.exp2(torch.randint(-30, 30, (2048, 1), generator=g).float()))
+    amax = torch.tensor([448.0 * 2.0 ** k * (1 + m / 128) for k in range(-20, 20) for m in range(128)])
+    edge = torch.zeros(amax.numel(), 32)
+    edge[:, 0], edge[:, 1] = amax, 0.5
+    for y in (t.bfloat16(), edge.bfloat16()):
+        vals, scales = reference.quantize_mxfp8(y)
+        torch_scales, torch_vals = to_mx_rceil(y, 32)
+        assert torch.equal(scales.view(torch.uint8), torch_scales.view(torch.uint8))
+        assert torch.equal(vals.view(torch.uint8), torch_vals.view(torch.uint8))

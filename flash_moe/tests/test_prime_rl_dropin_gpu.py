@@ -1,19 +1,16 @@
 """prime-rl's two calling sequences, restated from its public MoE layer
 (`src/prime_rl/trainer/models/layers/moe.py`: `_run_experts_fused_kernel` and
 `_run_experts_fused_mxfp8_kernel`), run unchanged through `prime_kernels.load("flash_moe")` and
-checked against fp32 truth. The MXFP8 path quantizes with torchao's `to_mx` RCEIL rule, restated
-here independently of flash_moe's own quantizer, and hands the 3-D scales straight to
+checked against fp32 truth. The MXFP8 path quantizes with torchao's `to_mx` RCEIL rule (restated in
+prime_rl_peer.py independently of flash_moe's own quantizer), and hands the 3-D scales straight to
 `pack_scales_blocked`, as prime-rl does."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from prime_rl_peer import to_mx_rceil
 
 pytestmark = pytest.mark.gpu
-
-E8M0_BIAS = 127
-E4M3_MAX = 448.0
-
 
 @pytest.fixture(scope="module")
 def flash_moe():
@@ -23,20 +20,6 @@ def flash_moe():
     if reason is not None:
         pytest.skip(reason)
     return prime_kernels.load("flash_moe")
-
-
-def to_mx_rceil(t: torch.Tensor, block_size: int):
-    """torchao's `to_mx(t, float8_e4m3fn, block_size, scaling_mode=RCEIL)` rule, restated: per block,
-    descale = amax / 448 (fp32), scale byte = clamp(ceil(log2(descale)), -127, 127) + 127 (NaN amax:
-    255), values = clamp(t * 2^(127 - byte), -448, 448) (byte 0: times 1) cast to e4m3.
-    Returns (scales as e8m0, shape t.shape[:-1] + (K/block,); data, t's shape), to_mx's order."""
-    blocks = t.float().reshape(*t.shape[:-1], t.shape[-1] // block_size, block_size)
-    descale = blocks.abs().amax(-1, keepdim=True) / E4M3_MAX
-    exponent = torch.clamp(torch.ceil(torch.log2(descale)), min=-E8M0_BIAS, max=E8M0_BIAS) + E8M0_BIAS
-    exponent = torch.where(torch.isnan(descale), torch.full_like(exponent, 255), exponent).to(torch.uint8)
-    multiplier = torch.where(exponent == 0, 1.0, torch.exp2(E8M0_BIAS - exponent.float()))
-    data = torch.clamp(blocks * multiplier, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(t.shape)
-    return exponent.squeeze(-1).view(torch.float8_e8m0fnu), data
 
 
 def prime_rl_quantize_mxfp8(t, block_size):

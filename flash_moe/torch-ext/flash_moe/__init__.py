@@ -18,7 +18,8 @@ Public surface (docs/DESIGN.md §5):
   pure PyTorch, runs on the GPU too).
 - ``moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8=False)``: align + fused op in one call,
   differentiable w.r.t. x, w1, w2, w3 and topk_weights (its backwards are in `functional`;
-  docs/DESIGN.md §5.1); ``layers.MoEExperts`` the layer for `kernels.kernelize`.
+  docs/DESIGN.md §5.1); ``FusedMoE.apply`` the same with prime-rl's ``_FusedMoE.apply`` arguments;
+  ``layers.MoEExperts`` the layer for `kernels.kernelize`.
 - ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False)``: the ``bpc``
   (1, or 2 = CTA pairs) measured fastest for a shape; both fused ops use it when ``bpc=None``
   (their default).
@@ -61,6 +62,7 @@ __all__ = [
     "preact_numel",
     "fused_moe_mxfp8",
     "moe",
+    "FusedMoE",
     "preferred_bpc",
     "unsupported_shape_reason",
     "quantize_mxfp8",
@@ -430,4 +432,4 @@ def _dequantize_mxfp8_fake(vals, scales):
 
 # Last: the differentiable `moe` and the layers call the ops above.
 from . import functional, layers  # noqa: E402
-from .functional import moe  # noqa: E402
+from .functional import FusedMoE, moe  # noqa: E402

@@ -4,7 +4,9 @@ Forward: `moe_align`, then the fused op (`fused_moe_bf16`, or `fused_moe_mxfp8` 
 quantized per call). Backward (docs/DESIGN.md §5.1): gradients for x, w1, w2, w3 and
 topk_weights, each in its input's dtype, deterministic (no float atomics: every sum has a fixed
 order), no host synchronisation. The MXFP8 forward's backward is the bf16 one on the original
-inputs (straight-through), as prime-rl's layer does.
+inputs (straight-through): what prime-rl's layer computes for plain weight tensors (with torchao's
+MXFP8 training weights its backward GEMMs run in MXFP8 instead). `FusedMoE.apply` is `moe` with
+the argument list of prime-rl's `_FusedMoE.apply`, so that class can be swapped for it.
 
 Two backwards; `moe` picks by `fused_backward_serves(I)`:
 - `fused_backward` (I % 64 == 0, every shape of DESIGN): the bf16 forward saves the gate/up
@@ -220,3 +222,18 @@ def moe(x, w1, w2, w3, topk_ids, topk_weights, *, mxfp8: bool = False):
     # Grad mode is off inside Function.forward: whether a backward will follow is decided here.
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2, w3, topk_weights))
     return _MoE.apply(x, w1, w2, w3, topk_ids, topk_weights, bool(mxfp8), training)
+
+
+class FusedMoE:
+    """prime-rl's `_FusedMoE` replaced: `FusedMoE.apply(x, w1, w2, w3, selected_experts_indices,
+    top_scores, num_experts, mxfp8)` is `moe(x, w1, w2, w3, selected_experts_indices, top_scores,
+    mxfp8=mxfp8)`, so prime-rl's layer runs our forward and backward with its call unchanged.
+    num_experts must be w1.shape[0] (prime-rl passes its expert count; it runs without expert
+    parallelism, so the local weights hold every expert)."""
+
+    @staticmethod
+    def apply(x, w1, w2, w3, selected_experts_indices, top_scores, num_experts, mxfp8=False):
+        if num_experts != w1.shape[0]:
+            raise ValueError(f"FusedMoE.apply: num_experts must equal w1.shape[0] (the experts the weights hold), "
+                             f"got num_experts={num_experts}, w1.shape={tuple(w1.shape)}")
+        return moe(x, w1, w2, w3, selected_experts_indices, top_scores, mxfp8=bool(mxfp8))
