@@ -3,11 +3,11 @@
 Measures the ceilings (device-to-device copy, 8192^3 bf16 matmul), our op (moe_align INCLUDED
 in the prime-kernels row; the op alone is printed too), the unfused path
 (`reference.grouped_mm_path`: sort, gather, three torch._grouped_mm, SwiGLU, weight, index_add),
-its three grouped GEMMs alone on inputs already sorted and gathered (`grouped_mm GEMMs only`: torch._grouped_mm is CUTLASS's Hopper grouped
-GEMM, the library kernel our hand-written GEMMs are measured against; no rel_err, it is not the
-whole op) and Liger's LigerFusedMoEFunction (autotune off) on the docs/DESIGN.md §9 shapes. CUDA
-events, median of >= 20 timed calls after warm-up; x/routing rotate over several copies (the
-expert weights alone exceed the 50 MB L2 in every shape).
+its three grouped GEMMs alone on inputs already sorted and gathered (`grouped_mm GEMMs only`:
+torch._grouped_mm is CUTLASS's Hopper grouped GEMM, the library kernel our hand-written GEMMs are
+measured against; no rel_err, it is not the whole op) and Liger's LigerFusedMoEFunction (autotune
+off) on the docs/DESIGN.md §9 shapes. CUDA events, median of >= 20 timed calls after warm-up;
+x/routing rotate over several copies (the expert weights alone exceed the 50 MB L2 in every shape).
 
 MXFP8 (unless --no-mxfp8): the same shapes with x, w, w2 quantized from the bf16 originals, as
 `fused_moe_mxfp8` (moe_align included), `dequant+grouped_mm` (plain torch dequantization to bf16,

@@ -1,10 +1,10 @@
 """SonicMoE (sonic-moe 0.1.2.post1, CuTe DSL + QuACK GEMMs) as a peer of our MoE forward and
 backward, timed in one process beside our own rows on compare.py's BACKWARD_SHAPES.
 
-Why: our backward's targets (flash_moe/DESIGN.md §8) are set against SonicMoE's backward, ≥ 1.3× / 1.25× / 1.15× at
-BACKWARD_SHAPES[0..2] (`TARGETS`), in the spaced timing (compare.median_ms: a GPU spin before each
-call) and back to back (ClockMonitor.sustained: ~1.5 s of calls, where the H200 runs at its power
-limit). Both must hold, so both are measured here, ours first on each shape (docs/DESIGN.md §9),
+Why: our backward's targets (flash_moe/DESIGN.md §8) are set against SonicMoE's backward,
+≥ 1.3× / 1.25× / 1.15× at BACKWARD_SHAPES[0..2] (`TARGETS`), in the spaced timing
+(compare.median_ms: a GPU spin before each call) and back to back (ClockMonitor.sustained: ~1.5 s
+of calls, where the H200 runs at its power limit). Both must hold, so both are measured here, ours first on each shape (docs/DESIGN.md §9),
 SonicMoE right after on the same inputs.
 
 Per shape, for ours and for SonicMoE: the training forward (leaves that require grad, so each saves

@@ -12,6 +12,7 @@ from prime_rl_peer import to_mx_rceil
 
 pytestmark = pytest.mark.gpu
 
+
 @pytest.fixture(scope="module")
 def flash_moe():
     import prime_kernels
