@@ -30,7 +30,9 @@ Its first call JIT-compiles and autotunes (QuACK GEMMs, Triton gather-sums). QuA
 the candidate configs in a pool of worker processes; on the H200 image that pool had not answered
 after 300 s (the first shape's backward weight GEMM), so the script sets QUACK_COMPILE_WORKERS=1
 unless it is set, which makes QuACK compile in-process as it benchmarks (not yet timed; the
-wheels' notes measured ~100 s over the three shapes). `faulthandler` dumps every thread's stack
+wheels' notes measured ~100 s over the three shapes). Run as a script, it keeps QuACK's and
+Triton's caches in the checkout's .peer-cache/ (`peer_caches`), so the shapes can be split over
+calls to a warm machine, the later calls reusing the first one's compiles and autotune picks. `faulthandler` dumps every thread's stack
 if a shape's SonicMoE part runs past --peer-timeout (the run goes on), an exception there costs
 only that shape's SonicMoE rows, and the results file is rewritten after every step, so our rows
 survive a run cut short.
@@ -83,6 +85,15 @@ def parse_args(argv=None):
     ap.add_argument("--peer-timeout", type=float, default=300,
                     help="seconds of one shape's SonicMoE part after which every thread's stack is dumped")
     return ap.parse_args(argv)
+
+
+def peer_caches(root):
+    """Where QuACK keeps its compiled GEMMs and autotune picks and Triton its kernels: under `root`
+    (the checkout's ignored .peer-cache/, which a warm GPU machine keeps from one call to the next),
+    so a second call skips the first one's compiling and tuning. Variables already set win."""
+    os.environ.setdefault("QUACK_CACHE_DIR", str(root / "quack"))
+    os.environ.setdefault("QUACK_CACHE_AUTOTUNING", "1")
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
 
 
 def load_sonicmoe():
@@ -251,6 +262,7 @@ def print_table(summary):
 
 
 def main(argv=None):
+    peer_caches(HERE.parents[1] / ".peer-cache")
     args = parse_args(argv)
     sonic = load_sonicmoe()
     if sonic is None:

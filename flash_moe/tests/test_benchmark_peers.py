@@ -3,6 +3,7 @@ rows claim, so a peer's time is the time of that computation; its kernel labels 
 back-to-back rows' clock fields are what they say. And of benchmarks/sonicmoe_peer.py, the parts
 that need no GPU: a missing SonicMoE never fails a run, its shapes, targets and routing inputs."""
 
+import os
 import pathlib
 import sys
 
@@ -149,3 +150,13 @@ def test_sonicmoe_peer_table_needs_both_ratios(sonicmoe_peer, capsys):
                                (shape, 1.3, timings(2.0, None), timings(2.8, None))])
     verdicts = [line.split()[-1] for line in capsys.readouterr().out.strip().splitlines()[1:]]
     assert verdicts == ["yes", "no", "-", "-"]
+
+
+def test_sonicmoe_peer_caches_under_the_given_root_unless_set(sonicmoe_peer, monkeypatch, tmp_path):
+    monkeypatch.delenv("QUACK_CACHE_DIR", raising=False)
+    monkeypatch.delenv("QUACK_CACHE_AUTOTUNING", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    sonicmoe_peer.peer_caches(tmp_path)
+    assert os.environ["QUACK_CACHE_DIR"] == str(tmp_path / "quack")
+    assert os.environ["QUACK_CACHE_AUTOTUNING"] == "1"
+    assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
