@@ -60,11 +60,12 @@ def _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out):
                                                  (1, 64, 32, 8, 2, 0.0), (40, 64, 32, 16, 1, 0.0)])
 def test_backward_matches_fp64_autograd(functional, reference, M, K, I, E, top_k, drop):
     x, w1, w2, w3, ids, scores, grad_out = _problem(M, K, I, E, top_k, drop, seed=M + E)
-    grads = functional.composed_backward(grad_out, x, w1, w2, w3, ids, scores)
+    routing = (*reference.moe_align(ids.to(torch.int32), E), top_k)
+    grads = functional.composed_backward(grad_out, x, w1, w2, w3, scores, routing)
     _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
-    again = functional.composed_backward(grad_out, x, w1, w2, w3, ids, scores)
+    again = functional.composed_backward(grad_out, x, w1, w2, w3, scores, routing)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
-    only_w2 = functional.composed_backward(grad_out, x, w1, w2, w3, ids, scores, (False, False, True, False, False))
+    only_w2 = functional.composed_backward(grad_out, x, w1, w2, w3, scores, routing, (False, False, True, False, False))
     assert only_w2[2] is not None and all(t is None for i, t in enumerate(only_w2) if i != 2)
     assert torch.equal(only_w2[2], grads[2])
 

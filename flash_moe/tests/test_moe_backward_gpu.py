@@ -121,24 +121,21 @@ def test_bit_identical_repeats(kernel):
 @pytest.mark.parametrize("I", [512, 200])  # the fused backward; the composed one (I % 64 != 0)
 def test_backward_graph_capture_replays_eager(kernel, I):
     """The backward `moe` runs for I, captured in a CUDA graph: replays match eager, also after
-    grad_out changes in place (and, for the composed backward, which aligns the routing itself,
-    topk_ids too)."""
+    grad_out changes in place."""
     F_ = kernel.functional
     x, w1, w2, w3, ids, scores, g = _inputs(1024, 1024, I, 32, 4, seed=5)
+    routing = (*kernel.moe_align(ids.int(), 32), 4)  # the forward's alignment, which both backwards take
     if F_.fused_backward_serves(I):
-        routing = (*kernel.moe_align(ids.int(), 32), 4)
         preact = torch.empty(kernel.preact_numel(routing[0].numel(), I), dtype=torch.bfloat16, device="cuda")
-        F_._forward(x, w1, w2, w3, scores, routing, False, preact)  # routing stays fixed: the forward's
+        F_._forward(x, w1, w2, w3, scores, routing, False, preact)
 
         def backward():
             return F_.fused_backward(g, x, w1, w2, w3, scores, routing, preact)
     else:
         def backward():
-            return F_.composed_backward(g, x, w1, w2, w3, ids, scores)
+            return F_.composed_backward(g, x, w1, w2, w3, scores, routing)
     graph, captured = assert_graph_replays_eager(backward, backward())
     g.copy_(torch.roll(g, 1, dims=0))  # new values in the same buffers replay correctly too
-    if not F_.fused_backward_serves(I):
-        ids.copy_(torch.roll(ids, 1, dims=0))
     graph.replay()
     for a, b in zip(captured, backward()):
         assert torch.equal(a, b)

@@ -32,12 +32,11 @@ def _live(sorted_ids: torch.Tensor, ntpp: torch.Tensor, n_slots: int):
     return positions, (sorted_ids >= 0) & (sorted_ids < n_slots) & (positions < ntpp)
 
 
-def _routing(topk_ids: torch.Tensor, num_experts: int):
-    """moe_align's layout plus what the backward needs: per position the token (0 for padding),
-    a live mask, grouped_mm's group ends, and per slot its position (L, a zero row, if dropped)."""
-    n_slots = topk_ids.numel()
-    top_k = topk_ids.shape[1]
-    sorted_ids, expert_ids, ntpp = moe_align(topk_ids.to(torch.int32).contiguous(), num_experts)
+def _position_maps(routing, n_slots: int, num_experts: int):
+    """What the composed backward needs beside moe_align's layout `routing`: per position the token
+    (0 for padding), a live mask, grouped_mm's group ends, and per slot its position (L, a zero
+    row, if dropped)."""
+    sorted_ids, expert_ids, ntpp, top_k = routing
     L = sorted_ids.numel()
     positions, live = _live(sorted_ids, ntpp, n_slots)
     slot = torch.where(live, sorted_ids, torch.zeros_like(sorted_ids)).long()
@@ -45,7 +44,7 @@ def _routing(topk_ids: torch.Tensor, num_experts: int):
     offs = _group_ends(expert_ids, num_experts, L)
     inv = torch.full((n_slots + 1,), L, dtype=torch.long, device=slot.device)
     inv.scatter_(0, torch.where(live, slot, n_slots), positions.long())  # padding all lands on the spare entry
-    return sorted_ids, expert_ids, ntpp, live, token, slot, offs, inv[:n_slots]
+    return live, token, slot, offs, inv[:n_slots]
 
 
 def _by_slot(rows: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
@@ -58,14 +57,14 @@ def _gather_sum(rows: torch.Tensor, inv: torch.Tensor, top_k: int) -> torch.Tens
     return _by_slot(rows, inv).reshape(-1, top_k, *rows.shape[1:]).float().sum(1)
 
 
-def composed_backward(grad_out, x, w1, w2, w3, topk_ids, topk_weights, needs_input_grad=(True,) * 5):
+def composed_backward(grad_out, x, w1, w2, w3, topk_weights, routing, needs_input_grad=(True,) * 5):
     """Gradients of `moe` w.r.t. (x, w1, w2, w3, topk_weights), each in its input's dtype (None
     where `needs_input_grad` says so), from grouped GEMMs with the pre-activations recomputed:
-    what `moe` runs when I % 64 != 0. Shapes as `moe`; grad_out (M, K), any float dtype
-    (computed in bf16)."""
+    what `moe` runs when I % 64 != 0. Arguments as `fused_backward`'s (routing: the forward's
+    moe_align layout and top_k), without preact."""
     E, I, K = w1.shape
-    top_k = topk_ids.shape[1]
-    _, _, _, live, token, slot, offs, inv = _routing(topk_ids, E)
+    top_k = routing[3]
+    live, token, slot, offs, inv = _position_maps(routing, topk_weights.numel(), E)
     mask = live.unsqueeze(1)
     bf = torch.bfloat16
     w = torch.cat([w1.to(bf), w3.to(bf)], dim=1)  # (E, 2I, K)
@@ -180,23 +179,23 @@ class _MoE(torch.autograd.Function):
             preact = torch.empty(preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device=x.device)
         out = _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact)
         ctx.fused, ctx.top_k = fused, top_k
-        ctx.save_for_backward(x, w1, w2, w3, topk_ids, topk_weights, sorted_ids, expert_ids, ntpp, preact)
+        ctx.save_for_backward(x, w1, w2, w3, topk_weights, sorted_ids, expert_ids, ntpp, preact)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, w1, w2, w3, topk_ids, topk_weights, sorted_ids, expert_ids, ntpp, preact = ctx.saved_tensors
+        x, w1, w2, w3, topk_weights, sorted_ids, expert_ids, ntpp, preact = ctx.saved_tensors
         needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
+        routing = (sorted_ids, expert_ids, ntpp, ctx.top_k)  # the forward's alignment, for both backwards
         if ctx.fused:
-            routing = (sorted_ids, expert_ids, ntpp, ctx.top_k)
             if preact is None:  # the MXFP8 forward: the bf16 forward's pre-activations
                 preact = torch.empty(preact_numel(sorted_ids.numel(), w1.shape[1]), dtype=torch.bfloat16,
                                      device=x.device)
                 _forward(x, w1, w2, w3, topk_weights, routing, False, preact)
             grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs)
         else:
-            grads = composed_backward(grad_out.contiguous(), x, w1, w2, w3, topk_ids, topk_weights, needs)
+            grads = composed_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, needs)
         gx, gw1, gw2, gw3, gs = grads
         return gx, gw1, gw2, gw3, None, gs, None, None
 
