@@ -36,6 +36,10 @@ constexpr int64_t mxfp8_blocked_scale_bytes(int64_t R, int64_t S) {
 // Rows of one matrix's pack (R padded to 128): expert e's scales start at row e * this.
 constexpr int64_t mxfp8_blocked_rows(int64_t R) { return mxfp8_scale_row_groups(R) * 128; }
 constexpr int kMaxTopK = 16;
+// A length of moe_align's layout: a positive whole number of m-blocks. The GEMM launchers refuse
+// any other (the binding's rule, restated for direct callers: the kernels index the layout, and
+// the pre-activations' 8-row groups, by whole m-blocks).
+constexpr bool is_routing_length(int64_t L) { return L > 0 && L % kBlockM == 0; }
 
 // SMs of the current device (persistent grids are sized by it); read once per process.
 inline int sm_count() {

@@ -127,9 +127,7 @@ size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t 
 }
 
 cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
-  // The binding's rules a direct caller could break where a kernel would index past a buffer:
-  // the length L of moe_align's layout is a whole number of m-blocks (the pre-activations' 8-row groups).
-  if ((a.stages != 3 && a.stages != 4) || (a.bpc != 1 && a.bpc != 2) || a.L <= 0 || a.L % kBlockM != 0)
+  if ((a.stages != 3 && a.stages != 4) || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, 0);

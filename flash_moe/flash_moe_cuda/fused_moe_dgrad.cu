@@ -81,7 +81,7 @@ size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int
 }
 
 cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t stream) {
-  if (a.I % 64 != 0 || a.L <= 0 || a.L % kBlockM != 0) return cudaErrorInvalidValue;  // the binding's rules
+  if (a.I % 64 != 0 || !is_routing_length(a.L)) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   using R = DgradWorkspace;
   const R layout(a.M, a.K, a.I, a.L, a.top_k);

@@ -68,8 +68,7 @@ size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L) { return (size
 
 cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t stream) {
   // The binding's rules, restated for direct callers: a refusal before anything is launched.
-  if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || a.E <= 0 || a.L <= 0 || a.L % kBlockM != 0 ||
-      a.M < 0)
+  if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || a.E <= 0 || !is_routing_length(a.L) || a.M < 0)
     return cudaErrorInvalidValue;
   using host::make_tmap;
   constexpr uint32_t kBox = 64;
