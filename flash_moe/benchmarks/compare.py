@@ -162,12 +162,12 @@ def window_stats(samples, t0, t1):
             "power_capped": round(sum(smp[3] for smp in sel) / len(sel), 2)}
 
 
-def sorted_gemm_inputs(x, ids, wg, wu, E):
-    """The inputs of the unfused path's GEMMs (`reference.grouped_mm_path`, every id in [0, E)),
-    pre-gathered: the rows of x sorted by expert, the SwiGLU output h and the group offsets."""
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    offs = torch.cumsum(torch.bincount(ids.reshape(-1), minlength=E), 0).to(torch.int32)
-    xs = x[order // ids.shape[1]]
+def sorted_gemm_inputs(ref, x, ids, wg, wu, E):
+    """The inputs of the unfused path's GEMMs (`reference.grouped_mm_path`, in its slot order
+    `reference.grouped_mm_layout`), pre-gathered: the rows of x sorted by expert, the SwiGLU
+    output h and the group offsets."""
+    _, _, tok, offs = ref.grouped_mm_layout(ids, E)
+    xs = x[tok]
     h = torch.nn.functional.silu(torch._grouped_mm(xs, wg, offs=offs)) * torch._grouped_mm(xs, wu, offs=offs)
     return xs, h, offs
 
@@ -736,7 +736,7 @@ def main():
             err_u = rel(peer(0))
             moe_row(rows, "fused_moe_bf16", "grouped_mm", SHAPES[si], median_ms(peer, args.iters), err_u)
 
-            gemm_inputs = [sorted_gemm_inputs(x, ids, wg, wu, E) for (x, ids, _) in sets]
+            gemm_inputs = [sorted_gemm_inputs(ref, x, ids, wg, wu, E) for (x, ids, _) in sets]
 
             def gemms_only(i):
                 return grouped_gemms(*gemm_inputs[i % len(gemm_inputs)], wg, wu, w2t)

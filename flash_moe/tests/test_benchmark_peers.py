@@ -49,7 +49,7 @@ def test_gemms_only_row_times_the_unfused_paths_gemms(compare, reference):
     and summing its down-GEMM output reproduces the unfused output bit for bit."""
     x, w, w2, ids, wt, E, I = _problem()
     wg, wu, w2t = w[:, :I].transpose(1, 2), w[:, I:].transpose(1, 2), w2.transpose(1, 2)
-    xs, h, offs = compare.sorted_gemm_inputs(x, ids, wg, wu, E)
+    xs, h, offs = compare.sorted_gemm_inputs(reference, x, ids, wg, wu, E)
     g, u, y = compare.grouped_gemms(xs, h, offs, wg, wu, w2t)
     assert torch.equal(torch.nn.functional.silu(g) * u, h)
     top_k = ids.shape[1]

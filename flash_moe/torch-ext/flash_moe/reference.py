@@ -19,7 +19,8 @@ held to:
   sorted position, fp32 sums rounded to bf16 as the kernels round; `pack_preact` /
   `unpack_preact`: the saved pre-activations' layout (the kernels' fragment order).
 - `grouped_mm_path`: the unfused bf16 path (sort, gather, three `torch._grouped_mm`, weight,
-  index_add): the accuracy peer the tests hold the fused op to, and the benchmark's peer.
+  index_add; its slot order `grouped_mm_layout`): the accuracy peer the tests hold the fused op
+  to, and the benchmark's peer.
 - `moe_fp32`: the exact definition in fp32 (truth for accuracy tests).
 - `quantize_mxfp8`, `pack_scales_blocked`: docs/DESIGN.md §6 (RCEIL scales, e4m3 saturating
   RNE, blocked 128x4 scale layout; the rules themselves are in `mxfp8_rules`);
@@ -305,6 +306,20 @@ def fused_moe_mxfp8(x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, e
                              topk_weights, out, top_k, block_m, split)
 
 
+def grouped_mm_layout(topk_ids, num_experts: int):
+    """The unfused path's slot order: (order, live, token, offs): the flat slots sorted by expert
+    (stable; ids outside [0, E) last, past every group), whether each sorted slot is live, its
+    token, and torch._grouped_mm's group ends (int32). No host synchronisation."""
+    flat = topk_ids.reshape(-1).long()
+    live = (flat >= 0) & (flat < num_experts)
+    key = torch.where(live, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # not bincount: it sizes its output on the host
+    offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    return order, live[order], order // topk_ids.shape[1], offs
+
+
 def grouped_mm_path(x, w, w2, topk_ids, topk_weights):
     """The unfused bf16 path: slots sorted by expert, x gathered, three `torch._grouped_mm` GEMMs
     (gate, up, down) with SwiGLU between, each row weighted, `index_add` over tokens.
@@ -316,21 +331,17 @@ def grouped_mm_path(x, w, w2, topk_ids, topk_weights):
     """
     E, N, _ = w.shape
     I = N // 2
-    top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).long()
-    live = (flat >= 0) & (flat < E)
-    key = torch.where(live, flat, E)  # dropped slots sort last, past every group
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    offs = torch.cumsum(counts[:E], 0).to(torch.int32)
-    tok = order // top_k
+    order, live, tok, offs = grouped_mm_layout(topk_ids, E)
     xs = x[tok]
     h = torch.nn.functional.silu(torch._grouped_mm(xs, w[:, :I].transpose(1, 2), offs=offs)) * torch._grouped_mm(
         xs, w[:, I:].transpose(1, 2), offs=offs)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     y = y * topk_weights.reshape(-1)[order].to(y.dtype)[:, None]
-    y = torch.where(live[order][:, None], y, 0)  # rows past the last group are not computed
+    y = torch.where(live[:, None], y, 0)  # rows past the last group are not computed
     return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+# ---------------------------------------------------------------- MXFP8 (docs/DESIGN.md §6)
 
 
 def quantize_mxfp8(t: torch.Tensor, *, blocked: bool = False):
