@@ -67,7 +67,7 @@ cudaError_t moe_align(const int32_t* topk_ids, int64_t n_slots, int num_experts,
 // ---------------------------------------------------------------- fused_moe_bf16
 struct FusedMoeBf16Args {
   const void* x;             // (M, K) bf16
-  const void* w;             // (E, 2I, K) bf16, gate rows [0, I), up rows [I, 2I)
+  const void* w;             // (E, 2I, K) bf16, gate rows [0, I), up rows [I, 2I); with w3: w1 (E, I, K)
   const void* w2;            // (E, K, I) bf16
   const int32_t* sorted_ids; // (L,)
   const int32_t* expert_ids; // (L / block_m,)
@@ -87,6 +87,8 @@ struct FusedMoeBf16Args {
   // Training: the gate/up pre-activations for fused_moe_bf16_dgrad (preact_bytes(L, I) bytes,
   // I a multiple of 64, bpc any), or null.
   void* preact = nullptr;
+  // The up rows as a tensor of their own, (E, I, K) bf16 (w is then w1), or null (w holds both).
+  const void* w3 = nullptr;
 };
 
 size_t fused_moe_bf16_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);

@@ -98,7 +98,7 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p2.n_out = (int)K;
   p2.num_n = (int)((K + 255) / 256);
   p2.tile_counter = ws.tile_counters + 1;
-  p1.b_second = (int)I;  // up rows follow the I gate rows
+  p1.b_second = (int)I;  // MXFP8: up rows follow the I gate rows in w (bf16: Bf16Maps::weights2)
   p2.b_second = 128;     // the two 128-row halves of a 256-column tile
   p1.gate_up = {x, K};
   p2.down = {topk_weights, 2 * p1.num_n};  // gemm::HandOff: two consumer warpgroups per gate/up tile
@@ -138,7 +138,13 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if (a.L > 0) {
     gemm::Bf16Maps gate_up{}, down{};  // the gate/up GEMM gathers its tokens: no token maps
     const uint32_t kTailBox = gemm::kMaxRows - gemm::kBM, kRowsBox = gemm::kStoreRows;
-    if (!make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 2), false) ||
+    // The gate rows (w1) and the up rows (w3) through maps of their own: the two halves of w, or
+    // two tensors, so a caller holding w1 and w3 need not concatenate them (a copy of all the
+    // gate/up weights per call).
+    const void* w3 = a.w3 ? a.w3 : static_cast<const __nv_bfloat16*>(a.w) + a.I * a.K;
+    const int64_t expert_stride = a.w3 ? a.I * a.K : 2 * a.I * a.K;
+    if (!make_tmap(&gate_up.weights, host::expert_rows(a.w, a.E, a.I, a.K, expert_stride), false) ||
+        !make_tmap(&gate_up.weights2, host::expert_rows(w3, a.E, a.I, a.K, expert_stride), false) ||
         !make_tmap(&gate_up.out, host::out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
         !make_tmap(&gate_up.out_rows, host::out_rows(ws.h, a.L, a.I), false, kRowsBox) ||
         !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||

@@ -66,9 +66,11 @@ inline Operand gate_up_weights(const void* w, int64_t E, int64_t K, int64_t I, i
 inline Operand down_weights(const void* w2, int64_t E, int64_t K, int64_t I, int elem) {
   return Operand{w2, 3, {(uint64_t)I, (uint64_t)K, (uint64_t)E}, {(uint64_t)(I * elem), (uint64_t)(K * I * elem)}};
 }
-// One (E, R, C) bf16 weight tensor of R rows of C per expert (w1, w3: R = I, C = K).
-inline Operand expert_rows(const void* w, int64_t E, int64_t R, int64_t C) {
-  return Operand{w, 3, {(uint64_t)C, (uint64_t)R, (uint64_t)E}, {(uint64_t)(C * 2), (uint64_t)(R * C * 2)}};
+// R bf16 rows of C per expert, the experts `expert_stride` elements apart (default R * C: one
+// (E, R, C) tensor; 2 * R * C: a half of w (E, 2I, K)). w1, w3: R = I, C = K.
+inline Operand expert_rows(const void* w, int64_t E, int64_t R, int64_t C, int64_t expert_stride = 0) {
+  const int64_t stride = expert_stride ? expert_stride : R * C;
+  return Operand{w, 3, {(uint64_t)C, (uint64_t)R, (uint64_t)E}, {(uint64_t)(C * 2), (uint64_t)(stride * 2)}};
 }
 inline Operand h_rows(const void* h, int64_t L, int64_t I) {
   return Operand{h, 2, {(uint64_t)I, (uint64_t)L, 1}, {(uint64_t)(I * 2), 0}};

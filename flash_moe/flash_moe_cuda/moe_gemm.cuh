@@ -53,7 +53,7 @@ struct Bf16Maps {
   CUtensorMap weights;      // w (gate/up) or w2 (down), 128-row boxes
   CUtensorMap out;          // h or Y (kDownDgrad: dA|dB), the epilogue's 64 x 64 store boxes
   CUtensorMap out_rows;     // the same, kStoreRows-row boxes: output boxes with fewer live tokens
-  CUtensorMap weights2;     // kGateUpDgrad: w3 (`weights` is w1; reduction rows b_second.. are w3's)
+  CUtensorMap weights2;     // w3, `weights` being w1: kGateUp (box 1), kGateUpDgrad (reduction rows b_second..)
   CUtensorMap out2;         // kDownDgrad: s*h, 64 x 64 boxes
 };
 struct Mxfp8Maps {          // the MXFP8 epilogues store from registers: no output maps

@@ -220,14 +220,17 @@ __device__ void produce_bf16(const Maps& tm, const GemmParams& p, uint32_t sbase
       for (int i = 0; i < 4; ++i) tma_load_3d(b_s + i * (Plan::kBBoxBytes / 2), map, n0 + 64 * i, r0, tile.e, full);
       return;
     }
+    // Box 1: gate/up, the up rows (w3's map); down, the n-block's second 128 rows.
+    const CUtensorMap* map1 = kKind == Kind::kGateUp ? &tm.weights2 : &weights;
+    const int row1 = kKind == Kind::kGateUp ? n0 : n0 + p.b_second;
     if (tile.flags & kMulticast) {
       // CTA r of the pair loads box r for both: each weight byte leaves L2 once per pair.
       const uint32_t r = slots.rank;
-      tma_load_3d_multicast(b_s + r * Plan::kBBoxBytes, &weights, kb * kBK, n0 + (int)r * p.b_second, tile.e, full,
+      tma_load_3d_multicast(b_s + r * Plan::kBBoxBytes, r ? map1 : &weights, kb * kBK, r ? row1 : n0, tile.e, full,
                             0x3);
     } else {
       tma_load_3d(b_s, &weights, kb * kBK, n0, tile.e, full);
-      tma_load_3d(b_s + Plan::kBBoxBytes, &weights, kb * kBK, n0 + p.b_second, tile.e, full);
+      tma_load_3d(b_s + Plan::kBBoxBytes, map1, kb * kBK, row1, tile.e, full);
     }
   };
   produce_tiles<kKind, kStages, Plan::kStageBytes>(p, sbase, bars, slots, nk, load);

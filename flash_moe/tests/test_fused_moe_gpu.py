@@ -214,6 +214,29 @@ def test_cuda_graph_replay_equals_eager(kernel, bpc):
     assert torch.equal(out, _run(kernel, x, w, w2, ids, wt, bpc=bpc))
 
 
+# The gate and up rows as tensors of their own (w3=): the kernel reads w1 and w3 through maps of
+# their own, so a caller holding them apart (`moe`) copies no weights. The same bits as the
+# concatenated w, pre-activations included: I a multiple of 128, I = 192 (an n-block half past I,
+# whose rows read as zeros), both bpc, a real shape.
+@pytest.mark.parametrize("M,K,I,E,top_k,bpc", [(1000, 512, 256, 8, 4, 1), (1000, 512, 256, 8, 4, 2),
+                                               (700, 320, 192, 6, 2, 1), (700, 320, 192, 6, 2, 2),
+                                               (2048, 2048, 768, 64, 8, 2)])
+def test_separate_w3_bit_identical_to_concatenated(kernel, M, K, I, E, top_k, bpc):
+    x, w, w2, ids, wt = _inputs(M, K, I, E, top_k, seed=M + I)
+    w1, w3 = w[:, :I].clone(), w[:, I:].clone()  # tensors of their own, not views of w
+    s, e, n = kernel.moe_align(ids, E)
+    results = []
+    for gate, up in ((w, None), (w1, w3)):
+        out = torch.full_like(x, float("nan"))
+        pre = torch.full((kernel.preact_numel(s.numel(), I),), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kernel.fused_moe_bf16(x, gate, w2, s, e, n, wt, out, top_k, bpc=bpc, preact=pre, w3=up)
+        results.append((out, pre))
+    (out, pre), (out3, pre3) = results
+    assert torch.isfinite(out).all()
+    assert torch.equal(out3, out)
+    torch.testing.assert_close(pre3, pre, rtol=0, atol=0, equal_nan=True)
+
+
 def test_moe_convenience(kernel, reference):
     x, w, w2, ids, wt = _inputs(128, 512, 256, 8, 2, seed=9)
     I = w.shape[1] // 2
@@ -227,6 +250,9 @@ def test_opcheck(kernel):
     out = torch.empty_like(x)
     torch.library.opcheck(kernel.ops.moe_align, (ids, 4, 128, 1))
     torch.library.opcheck(kernel.ops.fused_moe_bf16, (x, w, w2, s, e, n, wt, out, 2, 128, 128, 128, 4, 1, 1, True))
+    w1, w3 = w[:, :128].contiguous(), w[:, 128:].contiguous()
+    torch.library.opcheck(kernel.ops.fused_moe_bf16,
+                          (x, w1, w2, s, e, n, wt, out, 2, 128, 128, 128, 4, 1, 1, True, None, w3))
 
 
 # ---------------------------------------------------------------- bad input
@@ -256,6 +282,10 @@ def test_bad_inputs(kernel):
     _bad(kernel, "x must be contiguous", x=torch.randn(256, 64, device="cuda").bfloat16().t())
     _bad(kernel, "w must be a CUDA tensor|w must be on the same device", w=w.cpu())
     _bad(kernel, "top_k must be in", top_k=17)
+    w1 = w[:, :128].contiguous()
+    _bad(kernel, "w3 must have w1's shape", w=w1, w3=w[:, :64].contiguous())
+    _bad(kernel, "w3 must have dtype", w=w1, w3=w1.float())
+    _bad(kernel, "w2.size\\(2\\) must equal w1.size\\(1\\)", w=w[:, :64].contiguous(), w3=w[:, 64:128].contiguous())
     _bad(kernel, "topk_weights must have dtype", topk_weights=wt.half())
     _bad(kernel, "topk_weights must have shape", topk_weights=torch.rand(64, 3, device="cuda"))
     _bad(kernel, "out must have shape", out=torch.empty(63, 256, dtype=torch.bfloat16, device="cuda"))

@@ -58,6 +58,9 @@ def test_reference_fused_matches_fp32_truth(reference):
     s, e, n = reference.moe_align(ids, E)
     out = torch.full((M, K), float("nan"), dtype=torch.bfloat16)
     reference.fused_moe_bf16(x, w, w2, s, e, n, wt, out, top_k)
+    out3 = torch.full((M, K), float("nan"), dtype=torch.bfloat16)  # gate and up rows as two tensors
+    reference.fused_moe_bf16(x, w[:, :I].contiguous(), w2, s, e, n, wt, out3, top_k, w3=w[:, I:].contiguous())
+    assert torch.equal(out3, out)
     truth = reference.moe_fp32(x, w, w2, ids, wt, dtype=torch.float64)
     err = ((out.double() - truth).norm() / truth.norm()).item()
     assert err < 1e-2

@@ -113,7 +113,8 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
                          const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights,
                          const at::Tensor& out, int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n,
                          int64_t bpc, int64_t cpc, const char* xn = "x", const at::Tensor* w3 = nullptr) {
-  // w3 given (the backward): w is w1, gate rows only, and w3 the up rows, each (E, I, K).
+  // w3 given (the backward, or the bf16 forward on separate weights): w is w1, gate rows only,
+  // and w3 the up rows, each (E, I, K).
   const char* wn = w3 ? "w1" : "w";
   PK_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   PK_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
@@ -253,14 +254,17 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                     const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
-                    int64_t cpc, bool split, const std::optional<at::Tensor>& preact) {
+                    int64_t cpc, bool split, const std::optional<at::Tensor>& preact,
+                    const std::optional<at::Tensor>& w3) {
   const char* op = "fused_moe_bf16";
   PK_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
            flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                     topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc);
+                                     topk_weights, out, top_k, block_m, block_n, warp_n, bpc, cpc, "x",
+                                     w3 ? &*w3 : nullptr);
   check_dtype(x, at::kBFloat16, op, "x");
-  check_dtype(w, at::kBFloat16, op, "w");
+  check_dtype(w, at::kBFloat16, op, w3 ? "w1" : "w");
+  if (w3) check_dtype(*w3, at::kBFloat16, op, "w3");
   check_dtype(w2, at::kBFloat16, op, "w2");
   if (preact) check_preact(*preact, x, d, op);  // before the M == 0 return: a bad preact fails at any M
   if (d.M == 0) return;
@@ -272,6 +276,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   a.x = x.data_ptr();
   a.w = w.data_ptr();
   a.w2 = w2.data_ptr();
+  if (w3) a.w3 = w3->data_ptr();
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, ws);
   set_forward(a, out, stages, bpc, split);
   if (preact) a.preact = preact->data_ptr();
@@ -498,7 +503,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
       "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, int block_n, "
-      "int warp_n, int stages, int bpc, int cpc, bool split, Tensor(b!)? preact=None) -> ()");
+      "int warp_n, int stages, int bpc, int cpc, bool split, Tensor(b!)? preact=None, Tensor? w3=None) -> ()");
   ops.impl("fused_moe_bf16", torch::kCUDA, &fused_moe_bf16);
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
   ops.def(

@@ -109,12 +109,13 @@ def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, 
     return 2
 
 
-def _default_bpc(x: torch.Tensor, w: torch.Tensor, top_k: int, *, mxfp8: bool) -> int:
+def _default_bpc(x: torch.Tensor, w: torch.Tensor, top_k: int, *, mxfp8: bool, split_w3: bool = False) -> int:
     # Shapes are only read when they are what the op accepts; anything else gets bpc=1 and the
-    # op's own check names the bad argument.
+    # op's own check names the bad argument. split_w3: w is w1 (E, I, K), not (E, 2I, K).
     if x.dim() != 2 or w.dim() != 3:
         return 1
-    return preferred_bpc(x.shape[0], x.shape[1], w.shape[1] // 2, w.shape[0], int(top_k), mxfp8=mxfp8)
+    I = w.shape[1] if split_w3 else w.shape[1] // 2
+    return preferred_bpc(x.shape[0], x.shape[1], I, w.shape[0], int(top_k), mxfp8=mxfp8)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
@@ -159,6 +160,7 @@ def fused_moe_bf16(
     cpc: int = 1,
     split: bool = True,
     preact: torch.Tensor | None = None,
+    w3: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused MoE forward (routed experts), bf16, Hopper.
 
@@ -167,7 +169,7 @@ def fused_moe_bf16(
 
     Args:
         x: (M, K) bf16 tokens.
-        w: (E, 2I, K) bf16, cat([gate, up], dim=1).
+        w: (E, 2I, K) bf16, cat([gate, up], dim=1); or, with `w3`, the gate rows w1 (E, I, K).
         w2: (E, K, I) bf16 down projection.
         sorted_token_ids, expert_ids, num_tokens_post_padded: from `moe_align`. The kernels
             rely on its layout: inside each expert's padded run the live slot ids come first,
@@ -195,16 +197,19 @@ def fused_moe_bf16(
         preact: for training, a bf16 tensor of `preact_numel(len(sorted_token_ids), I)`
             elements the op fills with the gate/up pre-activations (in the GEMM's own order,
             opaque) for `fused_moe_bf16_dgrad`; needs I % 64 == 0. None: not saved.
+        w3: (E, I, K) bf16 up rows, w1's shape: the kernel reads w1 and w3 where they are, so a
+            caller holding them apart (as `moe` does) copies no weights. Same output bits as
+            w = cat([w1, w3], dim=1). None: `w` holds both.
 
     Accumulation is fp32; the SwiGLU output h and each slot's weighted row are rounded to
     bf16; the top-k sum is done in fp32 in ascending k order (deterministic: bit-identical
     output run after run, no float atomics). CUDA-graph capturable.
     """
     if bpc is None:
-        bpc = _default_bpc(x, w, top_k, mxfp8=False)
+        bpc = _default_bpc(x, w, top_k, mxfp8=False, split_w3=w3 is not None)
     ops.fused_moe_bf16(
         x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
-        int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc), bool(split), preact,
+        int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc), bool(split), preact, w3,
     )
     return out
 
@@ -384,7 +389,7 @@ def _moe_align_fake(topk_ids, num_experts, block_m, bpc):
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16"))
 def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
-                         top_k, block_m, block_n, warp_n, stages, bpc, cpc, split, preact=None):
+                         top_k, block_m, block_n, warp_n, stages, bpc, cpc, split, preact=None, w3=None):
     return None
 
 

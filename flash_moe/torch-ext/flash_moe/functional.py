@@ -117,9 +117,9 @@ def _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact=None):
         w2q, w2s = quantize_mxfp8(w2.to(torch.bfloat16).contiguous(), blocked=True)
         fused_moe_mxfp8(xq, xs, wq, ws, w2q, w2s, sorted_ids, expert_ids, ntpp, weights, out, top_k)
     else:
-        w = torch.cat([w1, w3], dim=1).to(torch.bfloat16).contiguous()
-        fused_moe_bf16(x.to(torch.bfloat16).contiguous(), w, w2.to(torch.bfloat16).contiguous(), sorted_ids,
-                       expert_ids, ntpp, weights, out, top_k, preact=preact)
+        bf = torch.bfloat16
+        fused_moe_bf16(x.to(bf).contiguous(), w1.to(bf).contiguous(), w2.to(bf).contiguous(), sorted_ids, expert_ids,
+                       ntpp, weights, out, top_k, preact=preact, w3=w3.to(bf).contiguous())
     return out.to(x.dtype)
 
 
