@@ -20,7 +20,7 @@ windows run at different clocks); fwd+bwd minus fwd is recorded beside it (`fwd_
 SonicMoE is called as `moe_general_routing_inputs(x, wt.view(-1), token_idx, expert_idx,
 w.permute(1, 2, 0), None, w2.permute(1, 2, 0), None, E, stream, SWIGLU, concat_layout=True)`:
 w = cat([w1, w3], 1) (E, 2I, K), gate rows first (its concat layout), a leaf of its own (its
-layout; ours takes w1 and w3 and concatenates them per call); slot j = t * top_k + k throughout,
+layout; ours reads w1 and w3 as they are); slot j = t * top_k + k throughout,
 so token_idx = t (int32, ascending, as it requires), expert_idx = ids.view(-1) (int32) and the fp32
 scores wt.view(-1), whose gradient is ours: d out / d topk_weights (T, top_k), no softmax behind it.
 Its outputs and gradients are checked against the fp32 truth (compare.backward_truth) and ours:
