@@ -158,6 +158,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
     }
+    if constexpr (kKind == Kind::kDownDgrad) prefetch_preact(p, tile, n, cw);
     with_tokens(n, mainloop);
 
     if (kKind != Kind::kGateUp) {  // every thread is past the previous tile's epilogue (the popc barrier)

@@ -40,6 +40,18 @@ __device__ __forceinline__ void store_preact(const GemmParams& p, const Tile& ti
   }
 }
 
+// Before warpgroup cw's kDownDgrad mainloop: its tile's pre-activations (for each of its two
+// 64-feature groups, the n / 8 chunks of 2 KB from the tile's first 8-row group, contiguous) are
+// pulled into L2, so the epilogue's loads, issued a half at a time, find them there.
+__device__ __forceinline__ void prefetch_preact(const GemmParams& p, const Tile& tile, int n, int cw) {
+  if ((threadIdx.x & 127) != 0) return;
+  const int g0 = 4 * tile.nb + 2 * cw;
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+    if (64 * (g0 + b) < p.n_out)
+      bulk_prefetch_l2(p.gate_up.preact + preact_chunk(g0 + b, tile.m0 >> 3, p.L, 0, 0), (uint32_t)(n / 8) * 2048u);
+}
+
 // sigmoid(a) with the forward's fast exponential (silu_times): 1 / (1 + 2^(-a log2 e)).
 __device__ __forceinline__ float fast_sigmoid(float a) {
   float e;
