@@ -40,9 +40,9 @@ __device__ __forceinline__ void store_preact(const GemmParams& p, const Tile& ti
   }
 }
 
-// Before warpgroup cw's kDownDgrad mainloop: its tile's pre-activations (for each of its two
+// Late in warpgroup cw's kDownDgrad mainloop: its tile's pre-activations (for each of its two
 // 64-feature groups, the n / 8 chunks of 2 KB from the tile's first 8-row group, contiguous) are
-// pulled into L2, so the epilogue's loads, issued a half at a time, find them there.
+// pulled into L2, so the epilogue's loads find them there.
 __device__ __forceinline__ void prefetch_preact(const GemmParams& p, const Tile& tile, int n, int cw) {
   if ((threadIdx.x & 127) != 0) return;
   const int g0 = 4 * tile.nb + 2 * cw;
