@@ -86,7 +86,7 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 // stage is released once the stores have read it, after the next tile's first wgmmas are issued
 // (the producer is then kStages - 1 ahead). Tokens kBM.. of a longer tile are stored from
 // registers.
-// kDownDgrad: out stores dA|dB, out2 s*h, whole 64-row boxes (DgradBoxes).
+// kDownDgrad: out stores dA|dB, out2 s*h, in 32-row boxes (DgradBoxes, kDgradStoreRows).
 template <Kind kKind, int kStages>
 __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows, const CUtensorMap* out2,
                              const GemmParams& p, uint32_t sbase,

@@ -109,9 +109,12 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
     const int f = 64 * (g0 + b);
     float* part = p.dgrad.score_part + (int64_t)(((tile.nb * 2 + cw) * 2 + b) * 4 + w4) * p.L + tile.m0;
     uint4 nxt[4];
-    // This half's last boxes (two passes ago, or the previous tile's) have been read by their stores.
-    if (q == 0) bulk_wait_read<1>();
-    named_barrier_sync(kEpilogueBarrier + cw, 128);
+    // This half's boxes of two passes ago have been read by their stores (the previous tile's were
+    // waited for when its held stage was released, at this tile's first k-block).
+    if (pass >= 2) {
+      if (q == 0) bulk_wait_read<1>();
+      named_barrier_sync(kEpilogueBarrier + cw, 128);
+    }
 #pragma unroll
     for (int jj = 0; jj < 4; jj += 2) {
       // The next pass's chunks, in flight during this pass's second half, its stores and its
@@ -157,8 +160,9 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
         }
         if (lane < 4) *reinterpret_cast<float2*>(part + 8 * j + 2 * lane) = make_float2(score[0], score[1]);
       }
-      const int t = kDgradStoreRows * half + 8 * (jj + mj) + mi;  // slot row; its low 3 bits: the swizzle phase
-      const uint32_t off = t * 128 + (((2 * w4 + mh) ^ (t & 7)) << 4);
+      // Slot row 32 half + 8 (jj + mj) + mi, whose low 3 bits (mi) are the swizzle phase; the half's
+      // offset added apart keeps one address register for both halves (no spill).
+      const uint32_t off = half * kHalfBytes + (8 * (jj + mj) + mi) * 128 + (((2 * w4 + mh) ^ mi) << 4);
 #pragma unroll
       for (int o = 0; o < 3; ++o) stmatrix_x4_trans(boxes.slot[o] + off, v[o][0][0], v[o][0][1], v[o][1][0], v[o][1][1]);
     }
@@ -172,7 +176,7 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
       bulk_commit_group();
     }
 #pragma unroll
-    for (int jj = 0; jj < 4; ++jj) cur[jj] = nxt[jj];
+    for (int jj = 0; jj < 4; ++jj) cur[jj] = nxt[jj];  // after the last pass unused (a guard here spilled)
   }
 }
 
