@@ -107,8 +107,8 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     // GEMM1: grad_out rows gathered (no token maps), w2 M-major; dA|dB and s*h out.
     gemm::Bf16Maps down{};
     if (!make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false, kMnBox) ||
-        !make_tmap(&down.out, host::out_rows(a.dab, a.L, 2 * a.I), false, host::kStoreBoxRows) ||
-        !make_tmap(&down.out2, host::out_rows(a.sh, a.L, a.I), false, host::kStoreBoxRows))
+        !make_tmap(&down.out, host::out_rows(a.dab, a.L, 2 * a.I), false, gemm::kDgradStoreRows) ||
+        !make_tmap(&down.out2, host::out_rows(a.sh, a.L, a.I), false, gemm::kDgradStoreRows))
       return cudaErrorInvalidValue;
     GemmParams p1 = base_params(a, counters);
     p1.out = static_cast<__nv_bfloat16*>(a.dab);

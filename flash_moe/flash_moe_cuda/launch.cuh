@@ -75,7 +75,7 @@ inline Operand expert_rows(const void* w, int64_t E, int64_t R, int64_t C, int64
 inline Operand h_rows(const void* h, int64_t L, int64_t I) {
   return Operand{h, 2, {(uint64_t)I, (uint64_t)L, 1}, {(uint64_t)(I * 2), 0}};
 }
-// The bf16 epilogues' TMA stores: (rows, cols) bf16 row-major, 64 x 64 boxes.
+// The bf16 epilogues' TMA stores: (rows, cols) bf16 row-major, 64 x 64 boxes (the down dgrad's: 32 x 64).
 constexpr uint32_t kStoreBoxRows = 64;
 inline Operand out_rows(const void* out, int64_t rows, int64_t cols) {
   return Operand{out, 2, {(uint64_t)cols, (uint64_t)rows, 1}, {(uint64_t)(cols * 2), 0}};

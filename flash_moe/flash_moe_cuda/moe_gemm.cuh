@@ -51,10 +51,10 @@ struct Bf16Maps {
   CUtensorMap tokens;       // kDown: h rows, kBM-row boxes
   CUtensorMap tokens_tail;  // kDown: h rows kBM.. of a longer tile, (kMaxRows - kBM)-row boxes
   CUtensorMap weights;      // w (gate/up) or w2 (down), 128-row boxes
-  CUtensorMap out;          // h or Y (kDownDgrad: dA|dB), the epilogue's 64 x 64 store boxes
+  CUtensorMap out;          // h or Y, the epilogue's 64 x 64 store boxes (kDownDgrad: dA|dB, 32 x 64)
   CUtensorMap out_rows;     // the same, kStoreRows-row boxes: output boxes with fewer live tokens
   CUtensorMap weights2;     // w3, `weights` being w1: kGateUp (box 1), kGateUpDgrad (reduction rows b_second..)
-  CUtensorMap out2;         // kDownDgrad: s*h, 64 x 64 boxes
+  CUtensorMap out2;         // kDownDgrad: s*h, 32-row x 64 boxes (kDgradStoreRows)
 };
 struct Mxfp8Maps {          // the MXFP8 epilogues store from registers: no output maps
   CUtensorMap tokens;       // kDown: h rows

@@ -86,7 +86,7 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 // stage is released once the stores have read it, after the next tile's first wgmmas are issued
 // (the producer is then kStages - 1 ahead). Tokens kBM.. of a longer tile are stored from
 // registers.
-// kDownDgrad: out stores dA|dB, out2 s*h, whole 64-row boxes (DgradBoxes).
+// kDownDgrad: out stores dA|dB, out2 s*h, in 32-row boxes (DgradBoxes, kDgradStoreRows).
 template <Kind kKind, int kStages>
 __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows, const CUtensorMap* out2,
                              const GemmParams& p, uint32_t sbase,
@@ -102,6 +102,8 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
   HandOff handoff;
   uint32_t it;  // stages taken so far
   HeldStage<kStages> held;
+  Tile prefetch_tile{-1, 0, 0};  // kDownDgrad: the tile whose pre-activations go to L2, and its N
+  int prefetch_n = 0;
   // kN: the tile's wgmma N, 8 .. kMaxRows tokens.
   auto mainloop = [&](auto n_tokens) {
     constexpr int kN = decltype(n_tokens)::value;
@@ -124,6 +126,10 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       }
       wgmma_commit();
       held.after_k_block(bars, kb, it, cw, lane);
+      // Four k-blocks (~4 us) before the epilogue reads them: earlier, the kernel's own traffic
+      // through L2 (~3 TB/s) would evict them again.
+      if constexpr (kKind == Kind::kDownDgrad)
+        if (kb == (nk > 4 ? nk - 4 : 0)) prefetch_preact(p, prefetch_tile, prefetch_n, cw);
     }
     held.hold_last(it);
   };
@@ -157,6 +163,10 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       pass_tile(bars, it, nk, lane);
       if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
+    }
+    if constexpr (kKind == Kind::kDownDgrad) {
+      prefetch_tile = tile;
+      prefetch_n = n;
     }
     with_tokens(n, mainloop);
 
