@@ -213,7 +213,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
       gemm::zero_fill(acc1);
     }
 
-    // Box i = 2 block + tb: A features 64 block.. of the warpgroup's 128, B features 64 tb..;
+    // Box 2 block + tb: A features 64 block.. of the warpgroup's 128, B features 64 tb..;
     // the first two over the warpgroup's A blocks in the held stage, the last two in its own
     // boxes, so no store waits for another's read (the held stage's release waits for all four).
     const uint32_t held_a = sbase + held.stage * P::kStageBytes + (2 * cw) * kBoxBytes;
@@ -222,7 +222,6 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
     for (int block = 0; block < 2; ++block)
 #pragma unroll
       for (int tb = 0; tb < 2; ++tb) {
-        const int i = 2 * block + tb;
         const uint32_t box = (block ? own : held_a) + tb * kBoxBytes;
         const float(&acc)[72] = block ? acc1 : acc0;
         gemm::put_box<kKind == Kind::kDown>(box, tb, w4, lane, [&](int a) { return acc[a]; });
