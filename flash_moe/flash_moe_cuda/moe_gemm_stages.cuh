@@ -74,7 +74,7 @@ struct Barriers {
 };
 
 // A consumer warpgroup's hold on its tile's last stage, over whose shared memory its epilogue
-// stages output boxes (besides its own box): released once the boxes' TMA stores have read
+// stages output boxes (besides its own box or boxes): released once the boxes' TMA stores have read
 // them, after the next tile's first wgmmas (if any) are issued (the producer is then kStages - 1
 // ahead).
 template <int kStages>
@@ -82,7 +82,7 @@ struct HeldStage {
   int stage = -1;
   __device__ void release(const Barriers<kStages>& bars, int cw) {
     if (stage < 0) return;
-    if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();  // also frees the warpgroup's own box
+    if ((threadIdx.x & 127) == 0) bulk_wait_read<0>();  // also frees the warpgroup's own box(es)
     named_barrier_sync(kEpilogueBarrier + cw, 128);
     if ((threadIdx.x & 31) == 0) bars.release(stage);
     stage = -1;

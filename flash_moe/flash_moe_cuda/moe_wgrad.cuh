@@ -19,7 +19,7 @@
 // and issues A's TMA; all 128 gather B) and two consumer warpgroups (rows 128 cw.. of the
 // tile's 256 A features, two m64 blocks each, N = 128). Each tile takes ceil(rows / 64) stages,
 // or one (carrying no data) for an expert without rows, so the stage counter is carried from
-// tile to tile. Epilogue: 64 x 64 bf16 boxes staged in the tile's last stage and an 8 KB box per
+// tile to tile. Epilogue: 64 x 64 bf16 boxes staged in the tile's last stage and two 8 KB boxes per
 // warpgroup, stored by TMA (kDown transposed: grad_W2's rows are B's features).
 #pragma once
 
@@ -63,8 +63,8 @@ template <int kStages>
 struct Plan {
   static constexpr int kABytes = 4 * kBoxBytes;
   static constexpr int kStageBytes = kABytes + 2 * kBoxBytes;  // 48 KB
-  static constexpr int kEpiOffset = kStages * kStageBytes;      // per consumer warpgroup: one box
-  static constexpr int kBarOffset = kEpiOffset + 2 * kBoxBytes;
+  static constexpr int kEpiOffset = kStages * kStageBytes;      // per consumer warpgroup: two boxes
+  static constexpr int kBarOffset = kEpiOffset + 4 * kBoxBytes;
   static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
   static constexpr int kSlotBytes = 32;
   static constexpr int kBytes = kSlotOffset + (2 + kStages) * kSlotBytes;  // 2 claim slots + a slot per stage
@@ -213,22 +213,16 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
       gemm::zero_fill(acc1);
     }
 
-    // Box i = 2 block + tb: A features 64 block.. of the warpgroup's 128, B features 64 tb..;
-    // the first two over the warpgroup's A blocks in the held stage, the third in its own box,
-    // the fourth over the first once that one's store has read it.
+    // Box 2 block + tb: A features 64 block.. of the warpgroup's 128, B features 64 tb..;
+    // the first two over the warpgroup's A blocks in the held stage, the last two in its own
+    // boxes, so no store waits for another's read (the held stage's release waits for all four).
     const uint32_t held_a = sbase + held.stage * P::kStageBytes + (2 * cw) * kBoxBytes;
+    const uint32_t own = sbase + P::kEpiOffset + (2 * cw) * kBoxBytes;
 #pragma unroll
     for (int block = 0; block < 2; ++block)
 #pragma unroll
       for (int tb = 0; tb < 2; ++tb) {
-        const int i = 2 * block + tb;
-        uint32_t box = held_a + (i & 1) * kBoxBytes;
-        if (i == 2) box = sbase + P::kEpiOffset + cw * kBoxBytes;
-        if (i == 3) {
-          if (q == 0) bulk_wait_read<2>();
-          named_barrier_sync(kEpilogueBarrier + cw, 128);
-          box = held_a;
-        }
+        const uint32_t box = (block ? own : held_a) + tb * kBoxBytes;
         const float(&acc)[72] = block ? acc1 : acc0;
         gemm::put_box<kKind == Kind::kDown>(box, tb, w4, lane, [&](int a) { return acc[a]; });
         fence_proxy_async_shared();
