@@ -32,7 +32,34 @@ def _provenance(results: dict) -> str:
             f"same-run ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s.")
 
 
-def flash_moe_table(results: dict) -> str:
+def _spaced_b2b(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    sustained = row.get("sustained")
+    return f"{row['ms']:.3f} / {sustained['ms']:.3f}" if sustained else f"{row['ms']:.3f} / —"
+
+
+def sonicmoe_table(peer_run: dict) -> list[str]:
+    """SonicMoE beside ours, both timed in sonicmoe_peer.py's one run (its own results file)."""
+    intro = "Against SonicMoE, timed in one run of `benchmarks/sonicmoe_peer.py` (ours re-timed there), spaced / back to back:"
+    header = ("| shape | backward ms, ours | SonicMoE | SonicMoE ÷ ours, spaced / back to back | "
+              "forward+backward ms, ours | SonicMoE |")
+    lines = ["", intro, "", header, "|---|---|---|---|---|---|"]
+    ours = _rows(peer_run, "fused_moe_bf16_backward", "prime-kernels")
+    peer = _rows(peer_run, "fused_moe_bf16_backward", "sonicmoe")
+    both = _rows(peer_run, "fused_moe_bf16_forward_backward", "prime-kernels")
+    both_peer = _rows(peer_run, "fused_moe_bf16_forward_backward", "sonicmoe")
+    for shape, r in ours.items():
+        p = peer.get(shape)
+        ratio = "—"
+        if p is not None and r.get("sustained") and p.get("sustained"):
+            ratio = f"{p['ms'] / r['ms']:.2f} / {p['sustained']['ms'] / r['sustained']['ms']:.2f}"
+        lines.append(f"| {', '.join(map(str, shape))} | {_spaced_b2b(r)} | {_spaced_b2b(p)} | {ratio} | "
+                     f"{_spaced_b2b(both.get(shape))} | {_spaced_b2b(both_peer.get(shape))} |")
+    return lines + ["", _provenance(peer_run)]
+
+
+def flash_moe_table(results: dict, peer_run: dict | None = None) -> str:
     ours = _rows(results, "fused_moe_bf16", "prime-kernels")
     mx = _rows(results, "fused_moe_mxfp8", "prime-kernels")
     grouped = _rows(results, "fused_moe_bf16", "grouped_mm")
@@ -61,10 +88,13 @@ def flash_moe_table(results: dict) -> str:
             peak = f"{b['peak_GB']:.2f} / {bp['peak_GB']:.2f}" if b and bp else "—"
             lines.append(f"| {', '.join(map(str, shape))} | {_ms(r, 'tflops', 'TF/s')} | "
                          f"{_ms(peer.get(shape), 'tflops', 'TF/s')} | {_ms(b, 'tflops', 'TF/s')} | {peak} |")
-    return "\n".join(lines + ["", _provenance(results)])
+    lines += ["", _provenance(results)]
+    if peer_run is not None:
+        lines += sonicmoe_table(peer_run)
+    return "\n".join(lines)
 
 
-def rmsnorm_table(results: dict) -> str:
+def rmsnorm_table(results: dict, peer_run: dict | None = None) -> str:
     copy = results["ceilings"]["copy_GBps"]
     cells = {(op, impl): _rows(results, op, impl)
              for op in ("fused_rmsnorm_residual", "fused_rmsnorm_residual_backward")
@@ -95,10 +125,13 @@ def rendered(member: str) -> tuple[pathlib.Path, str, str]:
     text = card.read_text()
     if text.count(BEGIN) != 1 or text.count(END) != 1:
         raise ValueError(f"{card}: needs exactly one {BEGIN} ... {END} block")
-    results = json.loads((ROOT / member / "benchmarks" / "results" / "h200.json").read_text())
+    results_dir = ROOT / member / "benchmarks" / "results"
+    results = json.loads((results_dir / "h200.json").read_text())
+    peer_file = results_dir / "h200_sonicmoe.json"  # flash_moe's SonicMoE run, a results file of its own
+    peer_run = json.loads(peer_file.read_text()) if peer_file.exists() else None
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    return card, text, f"{head}{BEGIN}\n{TABLES[member](results)}\n{END}{tail}"
+    return card, text, f"{head}{BEGIN}\n{TABLES[member](results, peer_run)}\n{END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
