@@ -117,12 +117,19 @@ __host__ __device__ constexpr uint32_t full_arrivals() {
   return gathers(kKind) ? gather_threads<kLoaderWarp>() + 1u : 1u;
 }
 
-// Consumers: wait for the stage that starts the next tile and read the tile it carries.
+// Consumers (whole warps): wait for the stage that starts the next tile and read the tile it
+// carries. Lane 0 reads the slot and broadcasts it because lane 0 is the thread that releases the
+// stage: its own arrive orders the read before the producer's next put. Every lane reading is
+// ordered too (the warpgroup barrier before lane 0's arrive), but racecheck follows the order only
+// through the reading thread's own arrive and reported the next put as a race (DESIGN.md §8).
 template <int kStages>
 __device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const TileSlots& slots, uint32_t it) {
   const int s = it % kStages;
   mbar_wait(bars.full(s), (it / kStages) & 1);
-  return TileSlots::get(slots.stage(s));
+  Tile t{0, 0, 0};
+  if ((threadIdx.x & 31) == 0) t = TileSlots::get(slots.stage(s));
+  const auto lane0 = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+  return Tile{lane0(t.m0), lane0(t.nb), lane0(t.e), lane0(t.flags), lane0(t.rows), lane0(t.group)};
 }
 
 // Consumers with nothing to compute in a tile (all-padding rows, a pair's idle CTA): take and
