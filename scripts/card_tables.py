@@ -39,9 +39,10 @@ def _spaced_b2b(row: dict | None) -> str:
     return f"{row['ms']:.3f} / {sustained['ms']:.3f}" if sustained else f"{row['ms']:.3f} / —"
 
 
-def sonicmoe_table(peer_run: dict) -> list[str]:
+def _sonicmoe_lines(peer_run: dict) -> list[str]:
     """SonicMoE beside ours, both timed in sonicmoe_peer.py's one run (its own results file)."""
-    intro = "Against SonicMoE, timed in one run of `benchmarks/sonicmoe_peer.py` (ours re-timed there), spaced / back to back:"
+    intro = ("Against SonicMoE, timed in one run of `benchmarks/sonicmoe_peer.py` (ours re-timed there; "
+             "its backward through `torch.autograd.grad`, ours the op's), spaced / back to back:")
     header = ("| shape | backward ms, ours | SonicMoE | SonicMoE ÷ ours, spaced / back to back | "
               "forward+backward ms, ours | SonicMoE |")
     lines = ["", intro, "", header, "|---|---|---|---|---|---|"]
@@ -52,8 +53,11 @@ def sonicmoe_table(peer_run: dict) -> list[str]:
     for shape, r in ours.items():
         p = peer.get(shape)
         ratio = "—"
-        if p is not None and r.get("sustained") and p.get("sustained"):
-            ratio = f"{p['ms'] / r['ms']:.2f} / {p['sustained']['ms'] / r['sustained']['ms']:.2f}"
+        if p is not None:
+            b2b = "—"
+            if p.get("sustained") and r.get("sustained"):
+                b2b = f"{p['sustained']['ms'] / r['sustained']['ms']:.2f}"
+            ratio = f"{p['ms'] / r['ms']:.2f} / {b2b}"
         lines.append(f"| {', '.join(map(str, shape))} | {_spaced_b2b(r)} | {_spaced_b2b(p)} | {ratio} | "
                      f"{_spaced_b2b(both.get(shape))} | {_spaced_b2b(both_peer.get(shape))} |")
     return lines + ["", _provenance(peer_run)]
@@ -90,11 +94,11 @@ def flash_moe_table(results: dict, peer_run: dict | None = None) -> str:
                          f"{_ms(peer.get(shape), 'tflops', 'TF/s')} | {_ms(b, 'tflops', 'TF/s')} | {peak} |")
     lines += ["", _provenance(results)]
     if peer_run is not None:
-        lines += sonicmoe_table(peer_run)
+        lines += _sonicmoe_lines(peer_run)
     return "\n".join(lines)
 
 
-def rmsnorm_table(results: dict, peer_run: dict | None = None) -> str:
+def rmsnorm_table(results: dict) -> str:
     copy = results["ceilings"]["copy_GBps"]
     cells = {(op, impl): _rows(results, op, impl)
              for op in ("fused_rmsnorm_residual", "fused_rmsnorm_residual_backward")
@@ -117,6 +121,7 @@ def rmsnorm_table(results: dict, peer_run: dict | None = None) -> str:
 
 
 TABLES = {"flash_moe": flash_moe_table, "rmsnorm": rmsnorm_table}
+PEER_RUNS = {"flash_moe": "h200_sonicmoe.json"}  # a peer timed in a run of its own, beside h200.json
 
 
 def rendered(member: str) -> tuple[pathlib.Path, str, str]:
@@ -127,11 +132,13 @@ def rendered(member: str) -> tuple[pathlib.Path, str, str]:
         raise ValueError(f"{card}: needs exactly one {BEGIN} ... {END} block")
     results_dir = ROOT / member / "benchmarks" / "results"
     results = json.loads((results_dir / "h200.json").read_text())
-    peer_file = results_dir / "h200_sonicmoe.json"  # flash_moe's SonicMoE run, a results file of its own
-    peer_run = json.loads(peer_file.read_text()) if peer_file.exists() else None
+    peer_file = results_dir / PEER_RUNS[member] if member in PEER_RUNS else None
+    runs = [results]
+    if peer_file is not None and peer_file.exists():
+        runs.append(json.loads(peer_file.read_text()))
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    return card, text, f"{head}{BEGIN}\n{TABLES[member](results, peer_run)}\n{END}{tail}"
+    return card, text, f"{head}{BEGIN}\n{TABLES[member](*runs)}\n{END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:

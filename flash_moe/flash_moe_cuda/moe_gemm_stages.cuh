@@ -119,9 +119,9 @@ __host__ __device__ constexpr uint32_t full_arrivals() {
 
 // Consumers (whole warps): wait for the stage that starts the next tile and read the tile it
 // carries. Lane 0 reads the slot and broadcasts it because lane 0 is the thread that releases the
-// stage: its own arrive orders the read before the producer's next put. Every lane reading is
-// ordered too (the warpgroup barrier before lane 0's arrive), but racecheck follows the order only
-// through the reading thread's own arrive and reported the next put as a race (DESIGN.md §8).
+// stage: its own arrive orders the read before the producer's next put. Racecheck credits an order
+// only through the reading thread's own arrive; with every lane reading it reported the next put
+// as a race (DESIGN.md §8).
 template <int kStages>
 __device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const TileSlots& slots, uint32_t it) {
   const int s = it % kStages;
