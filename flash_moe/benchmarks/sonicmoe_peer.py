@@ -38,7 +38,8 @@ only that shape's SonicMoE rows, and the results file is rewritten after every s
 survive a run cut short.
 
 Writes <out>/h200_sonicmoe.json (compare.py's format: gpu, torch, commit, date, same-run ceilings,
-rows; impl `sonicmoe` for the peer) and prints shape | ours bwd | SonicMoE bwd | ratios | target.
+rows; impl `sonicmoe` for the peer; each backward row with its per-kernel times, `kernels_ms`, to
+show which of SonicMoE's kernels beat ours) and prints shape | ours bwd | SonicMoE bwd | ratios | target.
 Without an importable sonicmoe it prints why and exits 0.
 
 usage: PYTHONPATH=<sonicmoe site>:<site>/nvidia_cutlass_dsl/python_packages \\
@@ -82,6 +83,9 @@ def parse_args(argv=None):
                     help="git sha to record (default: git rev-parse HEAD)")
     ap.add_argument("--sustained", action=argparse.BooleanOptionalAction, default=True,
                     help="also time every part back to back with clock and power sampling (default: on)")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="per-kernel device times of each backward (torch.profiler, 5 calls), printed and "
+                         "recorded as kernels_ms in the backward rows (default: on)")
     ap.add_argument("--peer-timeout", type=float, default=300,
                     help="seconds of one shape's SonicMoE part after which every thread's stack is dumped")
     return ap.parse_args(argv)
@@ -184,7 +188,7 @@ def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, moni
     print(f"{shape} prime-kernels bwd through autograd.grad(retain_graph): {autograd_ms:.3f} ms", flush=True)
     record(rows, "prime-kernels", shape, t, rel(out, out_truth), compare.grad_errors(grads, truth),
            compare.peak_gb(both), "functional.fused_backward on the saved pre-activations (compare.py's row)",
-           autograd_ms=autograd_ms)
+           autograd_ms=autograd_ms, kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
     return out, grads, t
 
 
@@ -235,7 +239,8 @@ def sonic_part(sonic, args, shape, inputs, ids, go, out_truth, truth, ours_out, 
     t = measure("sonicmoe", shape, fwd, bwd, both, args, monitor)
     record(rows, "sonicmoe", shape, t, out_err, errs, compare.peak_gb(both),
            "torch.autograd.grad(retain_graph=True) on one forward's graph: its backward kernels alone",
-           out_vs_ours=out_vs_ours, grad_rel_err_vs_ours=vs_ours)
+           out_vs_ours=out_vs_ours, grad_rel_err_vs_ours=vs_ours,
+           kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
     return t
 
 
