@@ -102,8 +102,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
   HandOff handoff;
   uint32_t it;  // stages taken so far
   HeldStage<kStages> held;
-  Tile prefetch_tile{-1, 0, 0};  // kDownDgrad: the tile whose pre-activations go to L2, and its N
-  int prefetch_n = 0;
+  Tile prefetch_tile{-1, 0, 0};  // kDownDgrad: the tile whose pre-activations go to L2 (its N is kN)
   // kN: the tile's wgmma N, 8 .. kMaxRows tokens.
   auto mainloop = [&](auto n_tokens) {
     constexpr int kN = decltype(n_tokens)::value;
@@ -129,7 +128,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       // Four k-blocks (~4 us) before the epilogue reads them: earlier, the kernel's own traffic
       // through L2 (~3 TB/s) would evict them again.
       if constexpr (kKind == Kind::kDownDgrad)
-        if (kb == (nk > 4 ? nk - 4 : 0)) prefetch_preact(p, prefetch_tile, prefetch_n, cw);
+        if (kb == (nk > 4 ? nk - 4 : 0)) prefetch_preact(p, prefetch_tile, kN, cw);
     }
     held.hold_last(it);
   };
@@ -164,10 +163,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       if (kKind == Kind::kGateUp && !idle) HandOff::count_empty(p, tile);
       continue;
     }
-    if constexpr (kKind == Kind::kDownDgrad) {
-      prefetch_tile = tile;
-      prefetch_n = n;
-    }
+    if constexpr (kKind == Kind::kDownDgrad) prefetch_tile = tile;
     with_tokens(n, mainloop);
 
     if (kKind != Kind::kGateUp) {  // every thread is past the previous tile's epilogue (the popc barrier)
