@@ -4,8 +4,8 @@ backward, timed in one process beside our own rows on compare.py's BACKWARD_SHAP
 Why: our backward's targets (flash_moe/DESIGN.md §8) are set against SonicMoE's backward,
 ≥ 1.3× / 1.25× / 1.15× at BACKWARD_SHAPES[0..2] (`TARGETS`), in the spaced timing
 (compare.median_ms: a GPU spin before each call) and back to back (ClockMonitor.sustained: ~1.5 s
-of calls, where the H200 runs at its power limit). Both must hold, so both are measured here, ours first on each shape (docs/DESIGN.md §9),
-SonicMoE right after on the same inputs.
+of calls, where the H200 runs at its power limit). Both must hold, so both are measured here,
+ours first on each shape (docs/DESIGN.md §9), SonicMoE right after on the same inputs.
 
 Per shape, for ours and for SonicMoE: the training forward (leaves that require grad, so each saves
 what its backward needs; routing metadata included: our moe_align, SonicMoE's
@@ -29,17 +29,18 @@ a mis-wired peer shows up as a large error, printed and recorded.
 Its first call JIT-compiles and autotunes (QuACK GEMMs, Triton gather-sums). QuACK pre-compiles
 the candidate configs in a pool of worker processes; on the H200 image that pool had not answered
 after 300 s (the first shape's backward weight GEMM), so the script sets QUACK_COMPILE_WORKERS=1
-unless it is set, which makes QuACK compile in-process as it benchmarks (not yet timed; the
-wheels' notes measured ~100 s over the three shapes). Run as a script, it keeps QuACK's and
-Triton's caches in the checkout's .peer-cache/ (`peer_caches`), so the shapes can be split over
-calls to a warm machine, the later calls reusing the first one's compiles and autotune picks. `faulthandler` dumps every thread's stack
-if a shape's SonicMoE part runs past --peer-timeout (the run goes on), an exception there costs
-only that shape's SonicMoE rows, and the results file is rewritten after every step, so our rows
-survive a run cut short.
+unless it is set, which makes QuACK compile in-process as it benchmarks (the three shapes in one
+process, compiles and autotuning included, took ~490 s on the H200 at 3332917). Run as a script,
+it keeps QuACK's and Triton's caches in the checkout's .peer-cache/ (`peer_caches`), so the
+shapes can be split over calls to a warm machine, the later calls reusing the first one's
+compiles and autotune picks. `faulthandler` dumps every thread's stack if a shape's SonicMoE part
+runs past --peer-timeout (the run goes on), an exception there costs only that shape's SonicMoE
+rows, and the results file is rewritten after every step, so our rows survive a run cut short.
 
 Writes <out>/h200_sonicmoe.json (compare.py's format: gpu, torch, commit, date, same-run ceilings,
 rows; impl `sonicmoe` for the peer; each backward row with its per-kernel times, `kernels_ms`, to
-show which of SonicMoE's kernels beat ours) and prints shape | ours bwd | SonicMoE bwd | ratios | target.
+show which of SonicMoE's kernels beat ours) and prints shape | ours bwd | SonicMoE bwd | ratios |
+target.
 Without an importable sonicmoe it prints why and exits 0.
 
 usage: PYTHONPATH=<sonicmoe site>:<site>/nvidia_cutlass_dsl/python_packages \\
