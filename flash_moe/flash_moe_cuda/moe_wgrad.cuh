@@ -85,6 +85,15 @@ __device__ __forceinline__ Tile get_tile(uint32_t slot) {
   const uint4 v = ld_shared_v4(slot), w = ld_shared_v4(slot + 16);
   return Tile{(int)v.x, (int)v.y, (int)v.z, (int)v.w, (int)w.x};
 }
+// Consumers (whole warps): lane 0 reads the stage's tile slot and broadcasts it, lane 0 being the
+// thread that releases the stage; racecheck credits an order only through the reader's own arrive
+// (gemm::wait_tile, DESIGN.md §8).
+__device__ __forceinline__ Tile get_tile_lane0(uint32_t slot) {
+  Tile t{0, 0, 0, 0, 0};
+  if ((threadIdx.x & 31) == 0) t = get_tile(slot);
+  const auto lane0 = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
+  return Tile{lane0(t.e), lane0(t.a_tile), lane0(t.b_tile), lane0(t.row0), lane0(t.rows)};
+}
 __device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
 
 // Tiles in expert order, an expert's A-feature tiles each with its B-feature tiles, claimed from a
@@ -186,7 +195,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
   gemm::HeldStage<kStages> held;  // its two A blocks take output boxes
   for (;;) {
     mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
-    const Tile tile = get_tile(sbase + P::kSlotOffset + P::kSlotBytes * (2 + it % kStages));
+    const Tile tile = get_tile_lane0(sbase + P::kSlotOffset + P::kSlotBytes * (2 + it % kStages));
     if (tile.e < 0) break;
     const int nk = __shfl_sync(0xffffffffu, k_blocks(tile.rows), 0);  // warp-uniform (see ConsumerThread)
     for (int kb = 0; kb < (nk > 0 ? nk : 1); ++kb, ++it) {
