@@ -126,10 +126,9 @@ template <int kStages>
 __device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const TileSlots& slots, uint32_t it) {
   const int s = it % kStages;
   mbar_wait(bars.full(s), (it / kStages) & 1);
-  Tile t{0, 0, 0};
-  if ((threadIdx.x & 31) == 0) t = TileSlots::get(slots.stage(s));
-  const auto lane0 = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
-  return Tile{lane0(t.m0), lane0(t.nb), lane0(t.e), lane0(t.flags), lane0(t.rows), lane0(t.group)};
+  uint32_t v[8];
+  ld_shared_x8_lane0(slots.stage(s), v);  // TileSlots::put's layout
+  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
 }
 
 // Consumers with nothing to compute in a tile (all-padding rows, a pair's idle CTA): take and

@@ -89,10 +89,9 @@ __device__ __forceinline__ Tile get_tile(uint32_t slot) {
 // thread that releases the stage; racecheck credits an order only through the reader's own arrive
 // (gemm::wait_tile, DESIGN.md §8).
 __device__ __forceinline__ Tile get_tile_lane0(uint32_t slot) {
-  Tile t{0, 0, 0, 0, 0};
-  if ((threadIdx.x & 31) == 0) t = get_tile(slot);
-  const auto lane0 = [](int v) { return __shfl_sync(0xffffffffu, v, 0); };
-  return Tile{lane0(t.e), lane0(t.a_tile), lane0(t.b_tile), lane0(t.row0), lane0(t.rows)};
+  uint32_t v[8];
+  ld_shared_x8_lane0(slot, v);
+  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4]};
 }
 __device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
 

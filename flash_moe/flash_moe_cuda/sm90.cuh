@@ -131,6 +131,23 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+// Lane 0 loads the 32 bytes at addr and the whole warp gets them (call with whole warps): the
+// other lanes add zeros to an OR across the warp (redux.sync), whose result ptxas knows to be
+// warp-uniform. Broadcast by __shfl_sync instead, after a branch on the lane, ptxas could not prove
+// the warp converged: it moved the kernels' warp-uniform addresses out of uniform registers (one
+// R2UR per wgmma) and kDownDgrad ran 5 % slower.
+__device__ __forceinline__ void ld_shared_x8_lane0(uint32_t addr, uint32_t (&v)[8]) {
+  const uint32_t lane0 = (threadIdx.x & 31) == 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = 0u;
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %8, 0;\n"
+      " @p ld.shared.v4.u32 {%0, %1, %2, %3}, [%9];\n @p ld.shared.v4.u32 {%4, %5, %6, %7}, [%9 + 16];\n}"
+      : "+r"(v[0]), "+r"(v[1]), "+r"(v[2]), "+r"(v[3]), "+r"(v[4]), "+r"(v[5]), "+r"(v[6]), "+r"(v[7])
+      : "r"(lane0), "r"(addr));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = __reduce_or_sync(0xffffffffu, v[i]);
+}
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
