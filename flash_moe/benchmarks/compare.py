@@ -213,8 +213,23 @@ def kernel_label(name):
     return m.group(1) if m else name[:60]
 
 
+def per_kernel_ms(launches, calls):
+    """Mean ms per kernel from `launches`, (name, device µs) in launch order over `calls` identical
+    calls, keyed by kernel_label, slowest first. A label launched more than once per call is kept
+    apart by launch order (`kernel_cutlass_kernel #2`): SonicMoE's GEMMs all share one name."""
+    labels = [kernel_label(name) for name, _ in launches]
+    per_call = {label: labels.count(label) // calls for label in set(labels)}
+    seen, per = {}, {}
+    for label, (_, us) in zip(labels, launches):
+        i = seen.get(label, 0)
+        seen[label] = i + 1
+        key = f"{label} #{i % per_call[label] + 1}" if per_call[label] > 1 else label
+        per[key] = per.get(key, 0.0) + us / calls / 1000
+    return {key: round(t, 4) for key, t in sorted(per.items(), key=lambda kv: -kv[1])}
+
+
 def profile_kernels(fn, calls=5):
-    """Mean device time per kernel over `calls` calls of fn(i), in ms, by kernel_label; printed.
+    """Mean device time per kernel over `calls` calls of fn(i), in ms (per_kernel_ms); printed.
     None (with the reason printed) where the profiler fails: the timings do not depend on it."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -226,15 +241,12 @@ def profile_kernels(fn, calls=5):
     except Exception as e:  # noqa: BLE001
         print(f"    no per-kernel profile: {e}")
         return None
-    per = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = kernel_label(ev.name)
-            per[name] = per.get(name, 0.0) + ev.device_time / calls / 1000
-    per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    events = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda ev: ev.time_range.start)
+    per = per_kernel_ms([(ev.name, ev.device_time) for ev in events], calls)
     for name, t in per.items():
         print(f"    kernel {t:8.4f} ms  {name}")
-    return {name: round(t, 4) for name, t in per.items()}
+    return per
 
 
 def op_alone_by_bpc(op_for_bpc, iters):

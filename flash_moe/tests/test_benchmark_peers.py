@@ -74,6 +74,17 @@ def test_kernel_labels_name_the_gemm_roles(compare):
     assert compare.kernel_label("void flash_moe::(anonymous namespace)::reduce_kernel(int const*)") == "reduce_kernel"
 
 
+def test_per_kernel_times_keep_repeated_names_apart_by_launch_order(compare):
+    # Two calls of: gemm A (10 µs), gemm A again (30 µs), a reduce (4 µs); our GEMM labels stay whole.
+    ours = "void flash_moe::gemm::moe_gemm_kernel<(flash_moe::gemm::Weights)0, (flash_moe::gemm::Kind)2, (int)4, (bool)0>"
+    launches = [("kernel_cutlass_kernel", 10.0), ("kernel_cutlass_kernel", 30.0), ("reduce_kernel", 4.0),
+                (ours, 8.0)] * 2
+    per = compare.per_kernel_ms(launches, calls=2)
+    assert per == {"kernel_cutlass_kernel #2": 0.03, "kernel_cutlass_kernel #1": 0.01, "gemm bf16 down dgrad": 0.008,
+                   "reduce_kernel": 0.004}
+    assert list(per) == ["kernel_cutlass_kernel #2", "kernel_cutlass_kernel #1", "gemm bf16 down dgrad", "reduce_kernel"]
+
+
 def test_clock_samples_give_each_window_its_medians(compare):
     """The back-to-back rows' clock, power and power-cap fields: nvidia-smi's csv lines parsed
     (an error line and a line cut at the stop skipped), and only the samples inside a window
