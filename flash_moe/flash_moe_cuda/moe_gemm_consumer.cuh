@@ -24,10 +24,11 @@ namespace gemm {
 // registers only when it can prove them the same across the warp. cw comes through a shuffle
 // (as CUTLASS does), the consumers' stage counter is rebuilt from the tile counter every tile
 // (`it = t * nk`: each tile, idle or empty ones too, takes nk stages), the tile comes through
-// redux.sync (wait_tile) and the bf16 consumer's n through a shuffle. (The wgrad consumer, whose tiles take different stage counts, carries
-// its counter, adding a shuffled count per tile: two R2UR per k-block in its SASS.) Without them
-// (a counter carried through data-dependent branches, threadIdx arithmetic) every wgmma waited on
-// R2UR moves and each batch on a WARPSYNC: the MXFP8 op was 5-6 % slower (flash_moe/DESIGN.md §5).
+// redux.sync (wait_tile) and the bf16 consumer's n through a shuffle. (The wgrad consumer, whose
+// tiles take different stage counts, carries its counter, adding a shuffled count per tile: two
+// R2UR per k-block in its SASS.) Without them (a counter carried through data-dependent branches,
+// threadIdx arithmetic) every wgmma waited on R2UR moves and each batch on a WARPSYNC: the MXFP8
+// op was 5-6 % slower (flash_moe/DESIGN.md §5).
 struct ConsumerThread {
   int cw = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
   int w4 = (threadIdx.x / 32) & 3;

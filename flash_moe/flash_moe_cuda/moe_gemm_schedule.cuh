@@ -264,9 +264,14 @@ struct TileSlots {
       st_shared_v4(slot + 16, (uint32_t)t.rows, (uint32_t)t.group, 0u, 0u);
     }
   }
+  // A slot's eight words as put wrote them.
+  __device__ static Tile unpack(const uint32_t (&v)[8]) {
+    return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
+  }
   __device__ static Tile get(uint32_t slot) {
-    const uint4 v = ld_shared_v4(slot), w = ld_shared_v4(slot + 16);
-    return Tile{(int)v.x, (int)v.y, (int)v.z, (int)v.w, (int)w.x, (int)w.y};
+    const uint4 a = ld_shared_v4(slot), b = ld_shared_v4(slot + 16);
+    const uint32_t v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    return unpack(v);
   }
   // Producer threads (all `threads` of them call it): the next tile.
   __device__ Tile next(const GemmParams& p, const TileOrder& order, int threads) {

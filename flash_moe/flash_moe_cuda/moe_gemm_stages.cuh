@@ -127,8 +127,8 @@ __device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const T
   const int s = it % kStages;
   mbar_wait(bars.full(s), (it / kStages) & 1);
   uint32_t v[8];
-  ld_shared_x8_lane0(slots.stage(s), v);  // TileSlots::put's layout
-  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
+  ld_shared_x8_lane0(slots.stage(s), v);
+  return TileSlots::unpack(v);
 }
 
 // Consumers with nothing to compute in a tile (all-padding rows, a pair's idle CTA): take and

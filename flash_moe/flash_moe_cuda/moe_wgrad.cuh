@@ -81,9 +81,14 @@ __device__ __forceinline__ void put_tile(uint32_t slot, const Tile& t) {
   st_shared_v4(slot, (uint32_t)t.e, (uint32_t)t.a_tile, (uint32_t)t.b_tile, (uint32_t)t.row0);
   st_shared_v4(slot + 16, (uint32_t)t.rows, 0u, 0u, 0u);
 }
+// A slot's eight words as put_tile wrote them.
+__device__ __forceinline__ Tile unpack_tile(const uint32_t (&v)[8]) {
+  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4]};
+}
 __device__ __forceinline__ Tile get_tile(uint32_t slot) {
-  const uint4 v = ld_shared_v4(slot), w = ld_shared_v4(slot + 16);
-  return Tile{(int)v.x, (int)v.y, (int)v.z, (int)v.w, (int)w.x};
+  const uint4 a = ld_shared_v4(slot), b = ld_shared_v4(slot + 16);
+  const uint32_t v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  return unpack_tile(v);
 }
 // Consumers (whole warps): lane 0 reads the stage's tile slot and broadcasts it, lane 0 being the
 // thread that releases the stage; racecheck credits an order only through the reader's own arrive
@@ -91,7 +96,7 @@ __device__ __forceinline__ Tile get_tile(uint32_t slot) {
 __device__ __forceinline__ Tile get_tile_lane0(uint32_t slot) {
   uint32_t v[8];
   ld_shared_x8_lane0(slot, v);
-  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4]};
+  return unpack_tile(v);
 }
 __device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
 
