@@ -23,6 +23,8 @@ backward as restated in flash_moe/tests/prime_rl_peer.py, the four backward GEMM
 (`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
 memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
 fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
+Our row also records `fused_moe_bf16_dgrad` alone at bpc 1 and 2 (the gate/up dgrad as CTA
+pairs), timed as `op_alone_ms_by_bpc` (`dgrad_ms_by_bpc`); the backward itself runs at bpc 1.
 
 Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
 
@@ -473,11 +475,19 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
         lv = leaves_of(i)
         peer.PrimeRlFusedMoE.apply(lv[0], lv[1], lv[2], lv[3], ids, lv[4], E, False).backward(go)
 
+    def dgrad_for_bpc(b):
+        def call(i):
+            return kernel.fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt, top_k, bpc=b)
+        return call
+
+    dgrad_ms = op_alone_by_bpc(dgrad_for_bpc, args.iters)
+    print(f"{shape} dgrad alone: bpc=1 {dgrad_ms[1]:.3f} ms, bpc=2 {dgrad_ms[2]:.3f} ms", flush=True)
     errs = errors(ours(0))
     kernels = profile_kernels(ours) if args.profile else None
     sus = monitor.sustained(ours, 12 * T * top_k * K * I) if monitor else None
     moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
-            max(errs.values()), 12, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus)
+            max(errs.values()), 12, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
+            dgrad_ms_by_bpc=dgrad_ms)
     errs_p = errors(prime_rl(0))
     moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, median_ms(prime_rl, args.iters),
             max(errs_p.values()), 12, grad_rel_err_vs_fp32=errs_p,

@@ -9,7 +9,10 @@
 //   reduce      grad_x[t] = sum_{k ascending} dx[pos(t*top_k + k)]  in fp32            (topk_reduce.cu)
 //
 // Both GEMMs are the forward's kernel (moe_gemm.cuh) with the weights read M-major, one CTA per
-// SM, no CTA pairs. No float atomics: bit-identical results run to run.
+// SM; the gate/up dgrad also as CTA pairs (bpc = 2: the forward's units, each CTA multicasting
+// half of a stage's weight boxes to both). The down dgrad is never paired: its epilogue writes
+// every m-block with a live row whole (padding rows as zeros), which the wgrads read. No float
+// atomics: bit-identical results run to run, whatever bpc.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -36,14 +39,15 @@ int64_t score_parts(int64_t I) { return 16 * ((I + 255) / 256); }
 
 // The workspace's regions (RegionTable, as the forward's WorkspaceLayout).
 struct DgradWorkspace {
-  enum Region { kDx, kScorePart, kInv, kCounters, kRegions };
+  enum Region { kDx, kScorePart, kInv, kCounters, kUnits, kRegions };
   // Two tile counters, then h_done and block_live per m-block (slot_positions writes block_live;
-  // the GEMMs' HandOff is unused here but its counters must exist).
+  // the GEMMs' HandOff is unused here but its counters must exist). kUnits: the CTA pairs' units
+  // (int2, one per m-block at most) and their count, as the forward's.
   static int64_t counter_ints(int64_t L) { return 2 + 2 * WorkspaceLayout::blocks(L); }
   RegionTable<kRegions> table;
   DgradWorkspace(int64_t M, int64_t K, int64_t I, int64_t L, int top_k)
       : table({(size_t)(L * K * 2), (size_t)(score_parts(I) * L * 4), (size_t)(M * top_k * 4),
-               (size_t)counter_ints(L) * 4}) {}
+               (size_t)counter_ints(L) * 4, (size_t)(2 * WorkspaceLayout::blocks(L) + 1) * 4}) {}
 };
 
 // score[slot] = sum over q ascending of part[q][pos(slot)]; 0 for a slot without a position.
@@ -81,7 +85,7 @@ size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int
 }
 
 cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t stream) {
-  if (a.I % 64 != 0 || !is_routing_length(a.L)) return cudaErrorInvalidValue;
+  if (a.I % 64 != 0 || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L)) return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   using R = DgradWorkspace;
   const R layout(a.M, a.K, a.I, a.L, a.top_k);
@@ -91,12 +95,14 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   auto* part = reinterpret_cast<float*>(b + at[R::kScorePart]);
   auto* inv = reinterpret_cast<int32_t*>(b + at[R::kInv]);
   auto* counters = reinterpret_cast<int32_t*>(b + at[R::kCounters]);
+  int32_t* const block_live = counters + 2 + WorkspaceLayout::blocks(a.L);
+  auto* units = reinterpret_cast<int2*>(b + at[R::kUnits]);
+  int32_t* const num_units = reinterpret_cast<int32_t*>(units + WorkspaceLayout::blocks(a.L));
   const int64_t n_slots = a.M * a.top_k;
   cudaError_t err = cudaMemsetAsync(inv, 0xFF, (size_t)n_slots * 4, stream);
   if (err == cudaSuccess) err = cudaMemsetAsync(counters, 0, (size_t)R::counter_ints(a.L) * 4, stream);
   if (err == cudaSuccess)
-    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, inv,
-                         counters + 2 + WorkspaceLayout::blocks(a.L), stream);
+    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, inv, block_live, stream);
   if (err != cudaSuccess) return err;
 
   if (a.L > 0) {
@@ -149,8 +155,15 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     p2.tile_counter = counters + 1;
     p2.b_second = (int)a.I;  // reduction rows I.. are w3's
     p2.down = {nullptr, 0};
-    err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem, gate_up, p2,
-                                  false, false, stream);
+    if (a.bpc == 2) {  // units as the bf16 forward's: each pair of blocks split by live rows (block_live)
+      p2.pairs = {units, num_units};
+      if ((err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, block_live, units, num_units, stream)) != cudaSuccess)
+        return err;
+    }
+    err = a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, true>,
+                                               smem, gate_up, p2, false, true, stream)
+                     : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem,
+                                               gate_up, p2, false, false, stream);
     if (err != cudaSuccess) return err;
   } else {
     cudaError_t e = cudaMemsetAsync(a.score, 0, (size_t)n_slots * 4, stream);

@@ -210,14 +210,22 @@ __device__ void produce_bf16(const Maps& tm, const GemmParams& p, uint32_t sbase
     }
     if constexpr (mn_major(kKind)) {
       // Box i: features n0 + 64i .. (contiguous) x reduction rows kb * kBK ..; box i is the
-      // 8 KB weight block (cw, block) = (i / 2, i % 2) (weight_block). No CTA pairs.
-      // kGateUpDgrad reduces over gate rows, then up rows (b_second = I, a multiple of kBK):
-      // w1's, then w3's.
+      // 8 KB weight block (cw, block) = (i / 2, i % 2) (weight_block). kGateUpDgrad reduces over
+      // gate rows, then up rows (b_second = I, a multiple of kBK): w1's, then w3's. A CTA pair's
+      // tile (kGateUpDgrad only): CTA r loads boxes 2r and 2r + 1 for both.
       const bool up = kKind == Kind::kGateUpDgrad && kb * kBK >= p.b_second;
       const CUtensorMap* map = up ? &tm.weights2 : &weights;
       const int r0 = kb * kBK - (up ? p.b_second : 0);
+      constexpr uint32_t kMnBoxBytes = Plan::kBBoxBytes / 2;
+      if (slots.paired && (tile.flags & kMulticast)) {  // slots.paired: known at compile time
+        const int i0 = 2 * (int)slots.rank;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) tma_load_3d(b_s + i * (Plan::kBBoxBytes / 2), map, n0 + 64 * i, r0, tile.e, full);
+        for (int i = i0; i < i0 + 2; ++i)
+          tma_load_3d_multicast(b_s + i * kMnBoxBytes, map, n0 + 64 * i, r0, tile.e, full, 0x3);
+        return;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) tma_load_3d(b_s + i * kMnBoxBytes, map, n0 + 64 * i, r0, tile.e, full);
       return;
     }
     // Box 1: gate/up, the up rows (w3's map); down, the n-block's second 128 rows.

@@ -85,7 +85,7 @@ def _truth(x, w, w2, ids, wts, grad_out, routing, top_k):
 
 
 CASES = [
-    # M, K, I, E, top_k, drop, bpc
+    # M, K, I, E, top_k, drop, bpc (the forward's, which saved preact)
     (300, 512, 256, 8, 2, 0.0, 1),
     (257, 320, 192, 6, 2, 0.2, 1),  # I % 256 != 0 (a half-empty n-block), K % 256 != 0, -1 ids
     (500, 1024, 768, 16, 4, 0.0, 2),  # preact saved by the CTA-pair forward
@@ -97,10 +97,14 @@ CASES = [
 ]
 
 
+# dgrad_bpc 2: the gate/up dgrad as CTA pairs. The cases give it pairs of blocks split by live
+# rows (8192 x 4 slots over 8 experts, 700 x 3 over 5), lone blocks (500 x 4 over 16), and odd
+# n-block counts, where a lone block leaves one CTA of its pair idle (K = 136: num_n 1).
+@pytest.mark.parametrize("dgrad_bpc", [1, 2])
 @pytest.mark.parametrize("M,K,I,E,top_k,drop,bpc", CASES)
-def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc):
+def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc, dgrad_bpc):
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, M, K, I, E, top_k, seed=M + K, drop=drop, bpc=bpc)
-    gx, dab, sh, score = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k)
+    gx, dab, sh, score = kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k, bpc=dgrad_bpc)
     t_gx, t_dab, t_sh, t_score, live = _truth(x, w, w2, ids, wts, g, routing, top_k)
     assert gx.dtype == torch.bfloat16 and gx.shape == x.shape
     assert dab.shape == t_dab.shape and sh.shape == t_sh.shape and score.shape == ids.shape
@@ -127,6 +131,10 @@ def test_dgrad_bit_identical_repeats_and_bpc(kernel):
         for a, b in zip(_defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8), routing),
                         first):
             assert torch.equal(a, b)
+    # the CTA-pair gate/up dgrad gives the same bits
+    paired = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8, bpc=2), routing)
+    for a, b in zip(paired, first):
+        assert torch.equal(a, b)
     # the CTA-pair forward saves the same pre-activations (NaN where neither writes: the fill)
     preact2 = _setup(kernel, 2048, 2048, 768, 64, 8, seed=7, bpc=2)[-1]
     torch.testing.assert_close(preact2, preact, rtol=0, atol=0, equal_nan=True)
@@ -143,6 +151,8 @@ def test_dgrad_bad_inputs_name_the_argument(kernel):
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 64, 256, 128, 4, 2, seed=1)
     with pytest.raises(RuntimeError, match="preact must hold"):
         kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact[:-8], *routing, wts, 2)
+    with pytest.raises(RuntimeError, match=r"bpc \(m-blocks per cluster\) must be 1 or 2, got 3"):
+        kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 2, bpc=3)
     with pytest.raises(RuntimeError, match="grad_out must have dtype"):
         kernel.fused_moe_bf16_dgrad(g.float(), *_halves(w), w2, preact, *routing, wts, 2)
     with pytest.raises(RuntimeError, match=r"w1.size\(2\) must equal grad_out.size\(1\)"):

@@ -230,6 +230,7 @@ def fused_moe_bf16_dgrad(
     num_tokens_post_padded: torch.Tensor,
     topk_weights: torch.Tensor,
     top_k: int,
+    bpc: int = 1,
 ):
     """Data gradients of `fused_moe_bf16`, given the forward's routing buffers and `preact`.
 
@@ -248,10 +249,13 @@ def fused_moe_bf16_dgrad(
     dab and sh are the wgrads' operands: grad_w1|w3[e] = dab_e^T x_e, grad_w2[e] = g_e^T sh_e.
     w1, w3: (E, I, K) bf16 gate and up projections (the forward's w = cat([w1, w3], 1), kept
     apart here so the backward never copies them); the rest as `fused_moe_bf16` (grad_out like
-    x); I % 64 == 0. Deterministic (no float atomics), no host synchronisation.
+    x); I % 64 == 0. bpc: 1, or 2 to run the gate/up dgrad GEMM as CTA pairs (as
+    `fused_moe_bf16(bpc=2)` runs its GEMMs); the output bits do not depend on it. The default
+    stays 1 until bpc=2 is measured (flash_moe/DESIGN.md §8). Deterministic (no float atomics),
+    no host synchronisation.
     """
     return ops.fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    topk_weights, int(top_k))
+                                    topk_weights, int(top_k), int(bpc))
 
 
 def fused_moe_bf16_wgrad(
@@ -395,7 +399,7 @@ def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_dgrad"))
 def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               topk_weights, top_k):
+                               topk_weights, top_k, bpc=1):
     L, I = sorted_token_ids.shape[0], w1.shape[1]
     return (grad_out.new_empty(grad_out.shape), grad_out.new_empty((L, 2 * I)), grad_out.new_empty((L, I)),
             grad_out.new_empty(topk_weights.shape, dtype=torch.float32))
