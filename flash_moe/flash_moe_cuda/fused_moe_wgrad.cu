@@ -7,7 +7,8 @@
 //   GEMM kDown    grad_W2[e] = sum_p grad_out[tok(p)]^T (s h)[p]                    (moe_wgrad.cuh)
 //   GEMM kGateUp  grad_W1|W3[e] = sum_p (dA|dB)[p]^T x[tok(p)]
 //
-// No float atomics: each output tile is one CTA's, summed in position order.
+// No float atomics: each output tile is one CTA's, summed in position order, whatever bpc (CTA
+// pairs share the A operand's loads, not tiles).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -55,11 +56,16 @@ __global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const in
   }
 }
 
+// bpc = 2: CTA pairs, each taking two B tiles of one claim (wgrad::claim_tile<true>).
 template <wgrad::Kind kKind>
-cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, cudaStream_t stream) {
-  const int64_t tiles = (int64_t)p.E * p.a_tiles * p.b_tiles;
-  return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages>,
-                                       wgrad::Plan<kWgradStages>::kLaunchBytes, tiles, false, false, stream, tm, p);
+cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, cudaStream_t stream) {
+  constexpr int kSmem = wgrad::Plan<kWgradStages>::kLaunchBytes;
+  const int64_t claims = (int64_t)p.E * p.a_tiles * (bpc == 2 ? (p.b_tiles + 1) / 2 : p.b_tiles);
+  if (bpc == 2)
+    return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, true>, kSmem, claims, false,
+                                         true, stream, tm, p);
+  return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages>, kSmem, claims, false, false,
+                                       stream, tm, p);
 }
 
 }  // namespace
@@ -68,7 +74,8 @@ size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L) { return (size
 
 cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t stream) {
   // The binding's rules, restated for direct callers: a refusal before anything is launched.
-  if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || a.E <= 0 || !is_routing_length(a.L) || a.M < 0)
+  if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || a.E <= 0 || !is_routing_length(a.L) || a.M < 0 ||
+      (a.bpc != 1 && a.bpc != 2))
     return cudaErrorInvalidValue;
   using host::make_tmap;
   constexpr uint32_t kBox = 64;
@@ -104,7 +111,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p1.m_a = (int)a.I;
   p1.a_tiles = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p1.tile_counter = counters;
-  if ((err = launch_wgrad<wgrad::Kind::kDown>(down, p1, stream)) != cudaSuccess) return err;
+  if ((err = launch_wgrad<wgrad::Kind::kDown>(down, p1, a.bpc, stream)) != cudaSuccess) return err;
 
   wgrad::Params p2 = p;
   p2.b_rows = static_cast<const __nv_bfloat16*>(a.x);
@@ -112,7 +119,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p2.split = (int)a.I;
   p2.a_tiles = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p2.tile_counter = counters + 1;
-  return launch_wgrad<wgrad::Kind::kGateUp>(gate_up, p2, stream);
+  return launch_wgrad<wgrad::Kind::kGateUp>(gate_up, p2, a.bpc, stream);
 }
 
 }  // namespace flash_moe

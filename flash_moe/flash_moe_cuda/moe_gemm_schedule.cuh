@@ -239,6 +239,7 @@ struct TileSlots {
   uint32_t rank;  // in the CTA pair; 0 without pairs
   bool paired;
   int claims = 0;
+  int last = 0;  // the claim slot claim_next returned last
   static constexpr int kSlotBytes = 32;
   static constexpr int bytes(int stages) { return (2 + stages) * kSlotBytes + 4 * 8; }
   __device__ TileSlots(uint32_t addr, int stages_, uint32_t rank_, bool paired_)
@@ -253,16 +254,23 @@ struct TileSlots {
       mbar_init(claim_free(i), 1);
     }
   }
-  // kPeer: `slot` is in the other CTA of the pair (peer_smem).
+  // A slot's eight words (any tile format: the wgrad kernel's too); kPeer: `slot` is in the other
+  // CTA of the pair (peer_smem).
+  template <bool kPeer = false>
+  __device__ static void put_words(uint32_t slot, const uint32_t (&v)[8]) {
+    if constexpr (kPeer) {
+      st_peer_v4(slot, v[0], v[1], v[2], v[3]);
+      st_peer_v4(slot + 16, v[4], v[5], v[6], v[7]);
+    } else {
+      st_shared_v4(slot, v[0], v[1], v[2], v[3]);
+      st_shared_v4(slot + 16, v[4], v[5], v[6], v[7]);
+    }
+  }
   template <bool kPeer = false>
   __device__ static void put(uint32_t slot, const Tile& t) {
-    if constexpr (kPeer) {
-      st_peer_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
-      st_peer_v4(slot + 16, (uint32_t)t.rows, (uint32_t)t.group, 0u, 0u);
-    } else {
-      st_shared_v4(slot, (uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags);
-      st_shared_v4(slot + 16, (uint32_t)t.rows, (uint32_t)t.group, 0u, 0u);
-    }
+    const uint32_t v[8] = {(uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags,
+                           (uint32_t)t.rows, (uint32_t)t.group, 0u, 0u};
+    put_words<kPeer>(slot, v);
   }
   // A slot's eight words as put wrote them.
   __device__ static Tile unpack(const uint32_t (&v)[8]) {
@@ -273,31 +281,48 @@ struct TileSlots {
     const uint32_t v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     return unpack(v);
   }
-  // Producer threads (all `threads` of them call it): the next tile.
-  __device__ Tile next(const GemmParams& p, const TileOrder& order, int threads) {
-    const int i = claims & 1;
+  // The claim exchange, whatever the tile's format (the wgrad kernel's too): producer threads
+  // (all `threads` of them call it) get the claim slot holding their next tile, once thread 0
+  // has written it by `claim_one(slot)` or, for a pair, rank 0's thread 0 by
+  // `claim_two(slot, rank 1's slot)`. After reading the slot, every caller calls claim_read.
+  template <class ClaimOne, class ClaimTwo>
+  __device__ uint32_t claim_next(int threads, ClaimOne claim_one, ClaimTwo claim_two) {
+    const int i = last = claims & 1;
     const uint32_t use = (uint32_t)(claims >> 1);
     ++claims;
     const uint32_t slot = claim(i);
     if (threadIdx.x == 0) {
       if (!paired) {
-        put(slot, claim_tile(p, order));
+        claim_one(slot);
       } else if (rank == 0) {
         mbar_wait<true>(claim_free(i), (use & 1) ^ 1);  // rank 1 has read this slot's last tile
-        const TilePair t = claim_pair(p, order);
-        put(slot, t.rank[0]);
-        put<true>(peer_smem(slot, 1), t.rank[1]);
+        claim_two(slot, peer_smem(slot, 1));
         mbar_arrive_peer(peer_smem(claim_full(i), 1));
       } else {
         mbar_wait<true>(claim_full(i), use & 1);
       }
     }
     if (threads > 1) named_barrier_sync(kProducerBarrier, threads);
-    const Tile t = get(slot);
+    return slot;
+  }
+  // Paired rank 1: once every producer thread has read the slot, rank 0 may claim into it again.
+  __device__ void claim_read(int threads) const {
     if (paired && rank == 1) {
-      if (threads > 1) named_barrier_sync(kProducerBarrier, threads);  // every thread has read the slot
-      if (threadIdx.x == 0) mbar_arrive_peer(peer_smem(claim_free(i), 0));
+      if (threads > 1) named_barrier_sync(kProducerBarrier, threads);
+      if (threadIdx.x == 0) mbar_arrive_peer(peer_smem(claim_free(last), 0));
     }
+  }
+  // Producer threads (all `threads` of them call it): the next tile.
+  __device__ Tile next(const GemmParams& p, const TileOrder& order, int threads) {
+    const uint32_t slot = claim_next(
+        threads, [&](uint32_t own) { put(own, claim_tile(p, order)); },
+        [&](uint32_t own, uint32_t peer) {
+          const TilePair t = claim_pair(p, order);
+          put(own, t.rank[0]);
+          put<true>(peer, t.rank[1]);
+        });
+    const Tile t = get(slot);
+    claim_read(threads);
     return t;
   }
 };

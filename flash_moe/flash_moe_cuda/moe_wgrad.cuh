@@ -21,6 +21,12 @@
 // or one (carrying no data) for an expert without rows, so the stage counter is carried from
 // tile to tile. Epilogue: 64 x 64 bf16 boxes staged in the tile's last stage and two 8 KB boxes per
 // warpgroup, stored by TMA (kDown transposed: grad_W2's rows are B's features).
+//
+// CTA pairs (kPaired, bpc = 2): the two CTAs of a cluster take B tiles 2j and 2j + 1 of one
+// (expert, A tile), so they reduce over the same rows in step, and each TMA-multicasts two of a
+// stage's four A boxes to both: A leaves L2 once per pair. Rank 0 claims for both (the forward's
+// claim exchange, gemm::TileSlots); with an odd B tile count the last pair's rank 1 is idle: it
+// loads its A half and passes its stages, computing and storing nothing.
 #pragma once
 
 #include "moe_gemm_consumer.cuh"
@@ -66,24 +72,28 @@ struct Plan {
   static constexpr int kEpiOffset = kStages * kStageBytes;      // per consumer warpgroup: two boxes
   static constexpr int kBarOffset = kEpiOffset + 4 * kBoxBytes;
   static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
-  static constexpr int kSlotBytes = 32;
-  static constexpr int kBytes = kSlotOffset + (2 + kStages) * kSlotBytes;  // 2 claim slots + a slot per stage
+  static constexpr int kSlotBytes = gemm::TileSlots::kSlotBytes;
+  static constexpr int kBytes = kSlotOffset + gemm::TileSlots::bytes(kStages);  // claim and stage slots
   static constexpr int kLaunchBytes = kBytes + 1024;
   static_assert(kLaunchBytes <= 227 * 1024, "fits an SM's shared memory");
 };
 
 // A tile: expert e's A features [256 a_tile, +256) x B features [128 b_tile, +128), reduced over the
-// `rows` sorted positions from row0. e < 0 ends the schedule.
+// `rows` sorted positions from row0. e < 0 ends the schedule. flags: gemm::kIdle (CTA pairs).
 struct Tile {
   int e, a_tile, b_tile, row0, rows;
+  int flags = 0;
 };
+// kPeer: `slot` is in the other CTA of the pair (peer_smem).
+template <bool kPeer = false>
 __device__ __forceinline__ void put_tile(uint32_t slot, const Tile& t) {
-  st_shared_v4(slot, (uint32_t)t.e, (uint32_t)t.a_tile, (uint32_t)t.b_tile, (uint32_t)t.row0);
-  st_shared_v4(slot + 16, (uint32_t)t.rows, 0u, 0u, 0u);
+  const uint32_t v[8] = {(uint32_t)t.e, (uint32_t)t.a_tile, (uint32_t)t.b_tile, (uint32_t)t.row0,
+                         (uint32_t)t.rows, (uint32_t)t.flags, 0u, 0u};
+  gemm::TileSlots::put_words<kPeer>(slot, v);
 }
 // A slot's eight words as put_tile wrote them.
 __device__ __forceinline__ Tile unpack_tile(const uint32_t (&v)[8]) {
-  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4]};
+  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
 }
 __device__ __forceinline__ Tile get_tile(uint32_t slot) {
   const uint4 a = ld_shared_v4(slot), b = ld_shared_v4(slot + 16);
@@ -101,16 +111,28 @@ __device__ __forceinline__ Tile get_tile_lane0(uint32_t slot) {
 __device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
 
 // Tiles in expert order, an expert's A-feature tiles each with its B-feature tiles, claimed from a
-// global counter: the tiles running at once share the expert's rows in L2.
+// global counter: the tiles running at once share the expert's rows in L2. kPaired: claim t
+// covers B tiles 2j and 2j + 1 (ceil(b_tiles / 2) claims per A tile), one per CTA of the pair.
+template <bool kPaired = false>
 __device__ inline Tile claim_tile(const Params& p) {
-  const int per_expert = p.a_tiles * p.b_tiles;
+  const int b_claims = kPaired ? (p.b_tiles + 1) / 2 : p.b_tiles;
+  const int per_expert = p.a_tiles * b_claims;
   const int t = atomicAdd(p.tile_counter, 1);
   if (t >= p.E * per_expert) return Tile{-1, 0, 0, 0, 0};
   const int e = t / per_expert, r = t - e * per_expert;
   const int first = p.span[2 * e] > 0 ? 0x7FFFFFFF - p.span[2 * e] : -1;
   const int row0 = first >= 0 ? first * gemm::kBM : 0;
   const int rows = first >= 0 && p.span[2 * e + 1] > row0 ? p.span[2 * e + 1] - row0 : 0;
-  return Tile{e, r / p.b_tiles, r % p.b_tiles, row0, rows};
+  return Tile{e, r / b_claims, (kPaired ? 2 : 1) * (r % b_claims), row0, rows};
+}
+// The pair's second tile: the next B tile, or the first's tile marked idle past the last B tile.
+__device__ inline Tile partner_tile(const Params& p, Tile t) {
+  if (t.e < 0) return t;
+  if (t.b_tile + 1 < p.b_tiles)
+    ++t.b_tile;
+  else
+    t.flags = gemm::kIdle;
+  return t;
 }
 
 // ---------------------------------------------------------------- producer
@@ -124,19 +146,28 @@ __device__ inline Tile claim_tile(const Params& p) {
 // from the position -> token table, two stages ahead, and each thread takes its row j's from
 // lane 2j + t%32/16. The producer warps issue for the whole stage, so every instruction per
 // copy counts: the table (no sorted id / top_k division here) made both kernels 1.7x faster.
-template <int kStages>
-__device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const gemm::Barriers<kStages>& bars) {
+// An idle CTA of a pair (kIdle) gathers nothing: its arrivals fire at once.
+template <int kStages, bool kPaired>
+__device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const gemm::Barriers<kStages>& bars,
+                        gemm::TileSlots& slots) {
   using P = Plan<kStages>;
   const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4, lane = threadIdx.x & 31;
   const int id_row = 2 * (int)(threadIdx.x >> 5) + (lane & 1) + 8 * ((lane >> 1) & 7);
   const uint32_t b_off = P::kABytes + (c >> 3) * kBoxBytes + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
   uint32_t it = 0;
-  for (int claims = 0;; ++claims) {
-    const uint32_t claim_slot = sbase + P::kSlotOffset + P::kSlotBytes * (claims & 1);
-    if (threadIdx.x == 0) put_tile(claim_slot, claim_tile(p));
-    named_barrier_sync(kProducerBarrier, kGatherers);  // two claim slots: a write never meets a pending read
+  for (;;) {
+    // Two claim slots: a write never meets a pending read.
+    const uint32_t claim_slot = slots.claim_next(
+        kGatherers, [&](uint32_t own) { put_tile(own, claim_tile(p)); },
+        [&](uint32_t own, uint32_t peer) {
+          const Tile t = claim_tile<true>(p);
+          put_tile(own, t);
+          put_tile<true>(peer, partner_tile(p, t));
+        });
     const Tile tile = get_tile(claim_slot);
+    slots.claim_read(kGatherers);
     if (tile.e < 0) break;
+    const bool gather = !(kPaired && (tile.flags & gemm::kIdle));
     const int nk = k_blocks(tile.rows);
     const int col = kTileN * tile.b_tile + 8 * c;
     const bool col_ok = col < p.n_b;
@@ -153,17 +184,24 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
       const uint32_t stage = sbase + s * P::kStageBytes;
       mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
       if (threadIdx.x == 0) {
-        if (kb == 0) put_tile(sbase + P::kSlotOffset + P::kSlotBytes * (2 + s), tile);  // before the arrive
+        if (kb == 0) put_tile(slots.stage(s), tile);  // before the arrive
         if (nk > 0) {
-          mbar_arrive_expect_tx(bars.full(s), P::kABytes);
+          mbar_arrive_expect_tx(bars.full(s), P::kABytes);  // paired: two boxes from each CTA
+          const int i0 = kPaired ? 2 * (int)slots.rank : 0;
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            tma_load_2d(stage + i * kBoxBytes, &tm.a, kTileM * tile.a_tile + 64 * i, tile.row0 + kBK * kb, bars.full(s));
+          for (int i = i0; i < i0 + (kPaired ? 2 : 4); ++i) {
+            const uint32_t box = stage + i * kBoxBytes;
+            const int col = kTileM * tile.a_tile + 64 * i, row = tile.row0 + kBK * kb;
+            if constexpr (kPaired)
+              tma_load_2d_multicast(box, &tm.a, col, row, bars.full(s), 0x3);
+            else
+              tma_load_2d(box, &tm.a, col, row, bars.full(s));
+          }
         } else {
           mbar_arrive(bars.full(s));
         }
       }
-      if (nk > 0) {
+      if (nk > 0 && gather) {
 #pragma unroll
         for (int j = 0; j < kRowsPerGather; ++j) {
           const int tok = __shfl_sync(0xffffffffu, id, 2 * j + (lane >> 4));
@@ -179,7 +217,7 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
   const int s = it % kStages;
   mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
   if (threadIdx.x == 0) {
-    put_tile(sbase + P::kSlotOffset + P::kSlotBytes * (2 + s), Tile{-1, 0, 0, 0, 0});
+    put_tile(slots.stage(s), Tile{-1, 0, 0, 0, 0});
     mbar_arrive(bars.full(s));
   }
   mbar_arrive(bars.full(s));
@@ -187,7 +225,9 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
 }
 
 // ---------------------------------------------------------------- consumers
-template <Kind kKind, int kStages>
+// An idle CTA of a pair (kIdle) waits for and releases its tile's stages, computing and storing
+// nothing.
+template <Kind kKind, int kStages, bool kPaired>
 __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const gemm::Barriers<kStages>& bars) {
   using P = Plan<kStages>;
   const gemm::ConsumerThread me;
@@ -202,11 +242,12 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
     const Tile tile = get_tile_lane0(sbase + P::kSlotOffset + P::kSlotBytes * (2 + it % kStages));
     if (tile.e < 0) break;
     const int nk = __shfl_sync(0xffffffffu, k_blocks(tile.rows), 0);  // warp-uniform (see ConsumerThread)
+    const bool idle = kPaired && (tile.flags & gemm::kIdle);
     for (int kb = 0; kb < (nk > 0 ? nk : 1); ++kb, ++it) {
       const int s = it % kStages;
       mbar_wait(bars.full(s), (it / kStages) & 1);
       const uint32_t stage = sbase + s * P::kStageBytes;
-      if (nk > 0) {
+      if (nk > 0 && !idle) {
         const uint32_t a0 = stage + (2 * cw) * kBoxBytes, a1 = a0 + kBoxBytes, b = stage + P::kABytes;
         wgmma_fence();
 #pragma unroll
@@ -221,6 +262,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
       held.after_k_block(bars, kb, it, cw, lane);
     }
     held.hold_last(it);
+    if (idle) continue;
     if (nk == 0) {  // an expert without rows: its gradient is zero
       gemm::zero_fill(acc0);
       gemm::zero_fill(acc1);
@@ -258,27 +300,38 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
   if (q == 0) bulk_wait_all();
 }
 
-template <Kind kKind, int kStages>
+// kPaired: launched in clusters of 2 CTAs (bpc = 2); see the header.
+template <Kind kKind, int kStages, bool kPaired = false>
 __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_constant__ Maps tm, const Params p) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t sbase = (smem_u32(smem_raw) + 1023) & ~1023u;
-  const gemm::Barriers<kStages> bars{sbase + Plan<kStages>::kBarOffset};
+  const uint32_t rank = kPaired ? cluster_ctarank() : 0;
+  gemm::Barriers<kStages> bars{sbase + Plan<kStages>::kBarOffset};
+  if (kPaired) bars.peer = peer_smem(bars.base, rank ^ 1);
+  gemm::TileSlots slots(sbase + Plan<kStages>::kSlotOffset, kStages, rank, kPaired);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bars.full(s), kGatherers + 1);  // the gatherers' cp.async arrivals + thread 0's
-      mbar_init(bars.empty(s), gemm::Barriers<kStages>::empty_arrivals(false));
+      mbar_init(bars.empty(s), gemm::Barriers<kStages>::empty_arrivals(kPaired));
     }
+    if (kPaired) slots.init_barriers();
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  // A pair's CTAs arrive on and load into each other's barriers and stages: both must be set up.
+  if (kPaired)
+    cluster_sync();
+  else
+    __syncthreads();
   // Registers as the forward's kernel: (168 - 56) x 128 >= (224 - 168) x 256.
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    produce<kStages>(tm, p, sbase, bars);
+    produce<kStages, kPaired>(tm, p, sbase, bars, slots);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    consume<kKind, kStages>(tm, p, sbase, bars);
+    consume<kKind, kStages, kPaired>(tm, p, sbase, bars);
   }
+  // No CTA of a pair leaves while its peer may still arrive on its barriers.
+  if (kPaired) cluster_sync();
 }
 
 }  // namespace wgrad

@@ -207,6 +207,13 @@ __device__ __forceinline__ void cluster_sync() {
 }
 // TMA load of one box into the same shared-memory offset of every CTA in `cta_mask`, each
 // CTA's `bar` (same offset) receiving the box's bytes.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* tm, int c0, int c1, uint32_t bar,
+                                                      uint16_t cta_mask) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3}], [%4], %5;"
+               ::"r"(dst), "l"(tm), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+               : "memory");
+}
 __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* tm, int c0, int c1, int c2,
                                                       uint32_t bar, uint16_t cta_mask, bool issue = true) {
   asm volatile(FM_PRED("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"

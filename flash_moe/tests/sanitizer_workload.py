@@ -5,8 +5,8 @@
     done
 
 Covers: the forward at bpc 1 and 2 (CTA pairs) writing the pre-activations, with w1|w3 concatenated
-and as two tensors; kDownDgrad + kGateUpDgrad (at the same bpcs: 2 pairs the gate/up dgrad); both
-wgrads; -1 ids. The second shape has one k-block
+and as two tensors; kDownDgrad + kGateUpDgrad and both wgrads at the same bpcs (2: the gate/up
+dgrad and the wgrads as CTA pairs); -1 ids. The second shape has one k-block
 per tile (K = 64), and at I = 256 every tile starts in stage 0 (k-blocks a multiple of the stages),
 the case where racecheck once reported the tile-slot hand-off (flash_moe/DESIGN.md §8).
 """
@@ -33,14 +33,17 @@ def training_calls(M, K, I, bpcs, seed):
     for bpc in bpcs:
         fm.fused_moe_bf16(x, w, w2, s, e, n, wts, torch.empty_like(x), TOP_K, bpc=bpc, preact=pre)
         fm.fused_moe_bf16(x, w1, w2, s, e, n, wts, torch.empty_like(x), TOP_K, bpc=bpc, preact=pre, w3=w3)
+    grads = []
     for bpc in bpcs:
         data_grads = list(fm.fused_moe_bf16_dgrad(g, w1, w3, w2, pre, s, e, n, wts, TOP_K, bpc=bpc))
-    return data_grads + list(fm.fused_moe_bf16_wgrad(x, g, data_grads[1], data_grads[2], s, e, n, E, TOP_K))
+        grads += data_grads + list(fm.fused_moe_bf16_wgrad(x, g, data_grads[1], data_grads[2], s, e, n, E, TOP_K,
+                                                           bpc=bpc))
+    return grads
 
 
 if __name__ == "__main__":
     sums = []
-    for shape in ((200, 320, 192, (1, 2)), (1500, 64, 128, (1, 2)), (1500, 64, 256, (1,))):
+    for shape in ((200, 320, 192, (1, 2)), (1500, 64, 128, (1, 2)), (1500, 64, 256, (1, 2))):
         sums += [t.float().abs().sum().item() for t in training_calls(*shape, seed=0)]
     torch.cuda.synchronize()
     print("sanitizer workload ran; output sums", sums)

@@ -329,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
     const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dab, const at::Tensor& sh,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-    int64_t num_experts, int64_t top_k) {
+    int64_t num_experts, int64_t top_k, int64_t bpc) {
   const char* op = "fused_moe_bf16_wgrad";
   check_cuda_contig(x, op, "x");
   check_dtype(x, at::kBFloat16, op, "x");
@@ -340,6 +340,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
            "], got ", E);
   PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
            "], got ", top_k);
+  PK_CHECK(bpc == 1 || bpc == 2, op, ": bpc (CTAs per cluster) must be 1 or 2, got ", bpc);
   const std::pair<const at::Tensor*, const char*> tensors[] = {
       {&grad_out, "grad_out"}, {&dab, "dab"}, {&sh, "sh"}, {&sorted_token_ids, "sorted_token_ids"},
       {&expert_ids, "expert_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}};
@@ -388,6 +389,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
   a.E = E;
   a.L = L;
   a.top_k = (int)top_k;
+  a.bpc = (int)bpc;
   a.workspace = ws.data_ptr();
   const cudaError_t err = flash_moe::fused_moe_bf16_wgrad(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
@@ -515,7 +517,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("fused_moe_bf16_dgrad", torch::kCPU, &fused_moe_bf16_dgrad);
   ops.def(
       "fused_moe_bf16_wgrad(Tensor x, Tensor grad_out, Tensor dab, Tensor sh, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k) -> (Tensor, Tensor, Tensor)");
+      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k, int bpc=1) -> "
+      "(Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_wgrad", torch::kCUDA, &fused_moe_bf16_wgrad);
   ops.impl("fused_moe_bf16_wgrad", torch::kCPU, &fused_moe_bf16_wgrad);
   ops.def(

@@ -268,6 +268,7 @@ def fused_moe_bf16_wgrad(
     num_tokens_post_padded: torch.Tensor,
     num_experts: int,
     top_k: int,
+    bpc: int = 1,
 ):
     """Weight gradients of `fused_moe_bf16` from `fused_moe_bf16_dgrad`'s dab and sh.
 
@@ -282,11 +283,14 @@ def fused_moe_bf16_wgrad(
     x, grad_out: (M, K) bf16; dab (L, 2I), sh (L, I) bf16 as fused_moe_bf16_dgrad returned them
     for the same routing buffers, which must have moe_align's layout (an expert's m-blocks
     consecutive, padding after its live rows; with other buffers reads stay in bounds and the
-    gradients are undefined); I % 64 == 0. Each output tile is one CTA's (no float atomics):
-    bit-identical run to run; no host synchronisation.
+    gradients are undefined); I % 64 == 0. bpc: 1, or 2 to run both GEMMs as CTA pairs (two
+    output tiles of one expert's rows per pair, sharing the loads of dab or sh); the output bits
+    do not depend on it. The default stays 1 until bpc=2 is measured (flash_moe/DESIGN.md §8).
+    Each output tile is one CTA's (no float atomics): bit-identical run to run; no host
+    synchronisation.
     """
     return ops.fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    int(num_experts), int(top_k))
+                                    int(num_experts), int(top_k), int(bpc))
 
 
 def fused_moe_mxfp8(
@@ -407,7 +411,7 @@ def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, e
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_wgrad"))
 def _fused_moe_bf16_wgrad_fake(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               num_experts, top_k):
+                               num_experts, top_k, bpc=1):
     K, I = x.shape[1], sh.shape[1]
     return (x.new_empty((num_experts, I, K)), x.new_empty((num_experts, I, K)), x.new_empty((num_experts, K, I)))
 
