@@ -133,7 +133,7 @@ def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> 
     return (torch.cumsum(counts[:num_experts], 0) * (sorted_len // block.numel())).to(torch.int32)
 
 
-def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5):
+def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=1):
     """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
     the score gradient from the saved pre-activations), then `fused_moe_bf16_wgrad` (the three
     weight gradients, each expert's rows the reduction). Needs `fused_backward_serves(I)`.
@@ -146,6 +146,8 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
         preact: the bf16 tensor of `preact_numel(len(sorted_token_ids), I)` elements that
             `fused_moe_bf16(..., preact=)` filled in the forward on the same routing.
         needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
+        bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs (same bits; `moe`
+            passes 1 until 2 is measured).
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
     Deterministic (no float atomics), no host synchronisation, CUDA-graph capturable."""
@@ -155,10 +157,11 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
     g = grad_out.to(bf).contiguous()
     gx, dab, sh, score = fused_moe_bf16_dgrad(g, w1.to(bf).contiguous(), w3.to(bf).contiguous(), w2.to(bf).contiguous(),
                                               preact, sorted_ids, expert_ids, ntpp,
-                                              topk_weights.to(torch.float32).contiguous(), top_k)
+                                              topk_weights.to(torch.float32).contiguous(), top_k, bpc=bpc)
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
     if any(needs_input_grad[1:4]):  # one op computes all three (training needs all three)
-        gw1, gw3, gw2 = fused_moe_bf16_wgrad(x.to(bf).contiguous(), g, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k)
+        gw1, gw3, gw2 = fused_moe_bf16_wgrad(x.to(bf).contiguous(), g, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k,
+                                             bpc=bpc)
         grads[1:4] = [t if need else None for t, need in zip((gw1, gw2, gw3), needs_input_grad[1:4])]
     inputs = (x, w1, w2, w3, topk_weights)
     return tuple(None if t is None else t.to(i.dtype).contiguous() for t, i in zip(grads, inputs))
