@@ -116,7 +116,7 @@ struct FusedMoeBf16DgradArgs {
   float* score;               // (M * top_k,) fp32: dL/d topk_weights (0 for a dropped slot)
   int64_t M, K, I, E, L;
   int top_k;
-  int bpc;                    // the gate/up dgrad's m-blocks per cluster: 1, or 2 (CTA pairs)
+  int bpc = 1;                // the gate/up dgrad's m-blocks per cluster: 1, or 2 (CTA pairs)
   void* workspace;            // fused_moe_bf16_dgrad_workspace_bytes(...) bytes, 256-byte aligned
 };
 size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);
@@ -145,7 +145,7 @@ struct FusedMoeBf16WgradArgs {
   void* grad_w2;              // (E, K, I) bf16
   int64_t M, K, I, E, L;
   int top_k;
-  int bpc;                    // 1, or 2: both GEMMs as CTA pairs sharing the A operand's loads
+  int bpc = 1;                // 1, or 2: both GEMMs as CTA pairs sharing the A operand's loads
   void* workspace;            // fused_moe_bf16_wgrad_workspace_bytes(E, L) bytes, 256-byte aligned
 };
 size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L);

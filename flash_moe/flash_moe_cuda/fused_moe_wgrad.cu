@@ -56,10 +56,12 @@ __global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const in
   }
 }
 
-// bpc = 2: CTA pairs, each taking two B tiles of one claim (wgrad::claim_tile<true>).
+// bpc = 2: CTA pairs, each taking two B tiles of one claim (wgrad::claim_tile<true>); with a
+// single B tile (K <= 128) every pair's second CTA would idle, so those calls run unpaired.
 template <wgrad::Kind kKind>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, cudaStream_t stream) {
   constexpr int kSmem = wgrad::Plan<kWgradStages>::kLaunchBytes;
+  if (p.b_tiles < 2) bpc = 1;
   const int64_t claims = (int64_t)p.E * p.a_tiles * (bpc == 2 ? (p.b_tiles + 1) / 2 : p.b_tiles);
   if (bpc == 2)
     return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, true>, kSmem, claims, false,

@@ -217,7 +217,8 @@ __device__ void produce_bf16(const Maps& tm, const GemmParams& p, uint32_t sbase
       const CUtensorMap* map = up ? &tm.weights2 : &weights;
       const int r0 = kb * kBK - (up ? p.b_second : 0);
       constexpr uint32_t kMnBoxBytes = Plan::kBBoxBytes / 2;
-      if (slots.paired && (tile.flags & kMulticast)) {  // slots.paired: known at compile time
+      // slots.paired is the kernel's kPaired, a constant once inlined: the unpaired SASS is as before
+      if (slots.paired && (tile.flags & kMulticast)) {
         const int i0 = 2 * (int)slots.rank;
 #pragma unroll
         for (int i = i0; i < i0 + 2; ++i)

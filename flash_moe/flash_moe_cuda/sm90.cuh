@@ -205,7 +205,7 @@ __device__ __forceinline__ void st_peer_v4(uint32_t addr, uint32_t a, uint32_t b
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
-// TMA load of one box into the same shared-memory offset of every CTA in `cta_mask`, each
+// TMA loads of one box into the same shared-memory offset of every CTA in `cta_mask`, each
 // CTA's `bar` (same offset) receiving the box's bytes.
 __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* tm, int c0, int c1, uint32_t bar,
                                                       uint16_t cta_mask) {

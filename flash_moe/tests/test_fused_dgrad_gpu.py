@@ -14,12 +14,14 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
-def _setup(kernel, M, K, I, E, top_k, seed, drop=0.0, bpc=1):
+def _setup(kernel, M, K, I, E, top_k, seed, drop=0.0, bpc=1, ids=None):
+    """Random inputs and routing (or the given (M, top_k) ids), and the forward's preact."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(M, K, generator=g, device="cuda").bfloat16()
     w = (torch.randn(E, 2 * I, K, generator=g, device="cuda") / K ** 0.5).bfloat16()
     w2 = (torch.randn(E, K, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:top_k] for _ in range(M)]).int()
+    if ids is None:
+        ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:top_k] for _ in range(M)]).int()
     if drop:
         ids = torch.where(torch.rand(M, top_k, generator=g, device="cuda") < drop, torch.full_like(ids, -1), ids)
     wts = torch.rand(M, top_k, generator=g, device="cuda")
@@ -138,6 +140,21 @@ def test_dgrad_bit_identical_repeats_and_bpc(kernel):
     # the CTA-pair forward saves the same pre-activations (NaN where neither writes: the fill)
     preact2 = _setup(kernel, 2048, 2048, 768, 64, 8, seed=7, bpc=2)[-1]
     torch.testing.assert_close(preact2, preact, rtol=0, atol=0, equal_nan=True)
+
+
+def test_dgrad_pairs_carry_a_short_tail(kernel):
+    """bpc 2 with a carried tail: expert 0 holds 2 x 128 + 20 rows, so its pair's two parts exceed
+    128 rows (dA|dB rows 128.. through the tail map, dx rows 128.. stored from registers); expert 1
+    holds 100 (a lone block). Bits equal bpc 1's, grad_x within bf16 error of fp64."""
+    M, K, I, E, top_k = 376, 512, 256, 2, 1
+    ids = (torch.arange(M, device="cuda") >= 276).int().unsqueeze(1)
+    x, w, w2, ids, wts, g, routing, preact = _setup(kernel, M, K, I, E, top_k, seed=9, ids=ids)
+    single = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k), routing)
+    paired = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k, bpc=2), routing)
+    for a, b in zip(paired, single):
+        assert torch.equal(a, b)
+    t_gx = _truth(x, w, w2, ids, wts, g, routing, top_k)[0]
+    assert _rel(paired[0], t_gx) < 2e-2
 
 
 def test_dgrad_graph_capture_replays_eager(kernel):

@@ -284,8 +284,8 @@ def fused_moe_bf16_wgrad(
     for the same routing buffers, which must have moe_align's layout (an expert's m-blocks
     consecutive, padding after its live rows; with other buffers reads stay in bounds and the
     gradients are undefined); I % 64 == 0. bpc: 1, or 2 to run both GEMMs as CTA pairs (two
-    output tiles of one expert's rows per pair, sharing the loads of dab or sh); the output bits
-    do not depend on it. The default stays 1 until bpc=2 is measured (flash_moe/DESIGN.md §8).
+    output tiles of one expert's rows per pair, sharing the loads of dab or sh; K <= 128, one
+    such tile, runs unpaired); the output bits do not depend on it. The default stays 1 until bpc=2 is measured (flash_moe/DESIGN.md §8).
     Each output tile is one CTA's (no float atomics): bit-identical run to run; no host
     synchronisation.
     """
