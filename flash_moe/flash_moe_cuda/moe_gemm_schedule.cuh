@@ -239,7 +239,7 @@ struct TileSlots {
   uint32_t rank;  // in the CTA pair; 0 without pairs
   bool paired;
   int claims = 0;
-  int last = 0;  // the claim slot claim_next returned last
+  int last = 0;  // claim_next's slot; (claims - 1) & 1 instead adds 8 instructions to paired forward kernels
   static constexpr int kSlotBytes = 32;
   static constexpr int bytes(int stages) { return (2 + stages) * kSlotBytes + 4 * 8; }
   __device__ TileSlots(uint32_t addr, int stages_, uint32_t rank_, bool paired_)

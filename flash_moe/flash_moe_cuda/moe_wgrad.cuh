@@ -72,7 +72,6 @@ struct Plan {
   static constexpr int kEpiOffset = kStages * kStageBytes;      // per consumer warpgroup: two boxes
   static constexpr int kBarOffset = kEpiOffset + 4 * kBoxBytes;
   static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
-  static constexpr int kSlotBytes = gemm::TileSlots::kSlotBytes;
   static constexpr int kBytes = kSlotOffset + gemm::TileSlots::bytes(kStages);  // claim and stage slots
   static constexpr int kLaunchBytes = kBytes + 1024;
   static_assert(kLaunchBytes <= 227 * 1024, "fits an SM's shared memory");
@@ -228,7 +227,8 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
 // An idle CTA of a pair (kIdle) waits for and releases its tile's stages, computing and storing
 // nothing.
 template <Kind kKind, int kStages, bool kPaired>
-__device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const gemm::Barriers<kStages>& bars) {
+__device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const gemm::Barriers<kStages>& bars,
+                        const gemm::TileSlots& slots) {
   using P = Plan<kStages>;
   const gemm::ConsumerThread me;
   const int cw = me.cw, w4 = me.w4, lane = me.lane, q = threadIdx.x & 127;
@@ -239,7 +239,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
   gemm::HeldStage<kStages> held;  // its two A blocks take output boxes
   for (;;) {
     mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
-    const Tile tile = get_tile_lane0(sbase + P::kSlotOffset + P::kSlotBytes * (2 + it % kStages));
+    const Tile tile = get_tile_lane0(slots.stage(it % kStages));
     if (tile.e < 0) break;
     const int nk = __shfl_sync(0xffffffffu, k_blocks(tile.rows), 0);  // warp-uniform (see ConsumerThread)
     const bool idle = kPaired && (tile.flags & gemm::kIdle);
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_con
     produce<kStages, kPaired>(tm, p, sbase, bars, slots);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    consume<kKind, kStages, kPaired>(tm, p, sbase, bars);
+    consume<kKind, kStages, kPaired>(tm, p, sbase, bars, slots);
   }
   // No CTA of a pair leaves while its peer may still arrive on its barriers.
   if (kPaired) cluster_sync();
