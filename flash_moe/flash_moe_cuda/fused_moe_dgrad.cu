@@ -50,17 +50,26 @@ struct DgradWorkspace {
                (size_t)counter_ints(L) * 4, (size_t)(2 * WorkspaceLayout::blocks(L) + 1) * 4}) {}
 };
 
-// score[slot] = sum over q ascending of part[q][pos(slot)]; 0 for a slot without a position.
+// score[slot] = sum over q ascending of part[q][pos] at the slot's position pos; 0 for a slot
+// without one. One thread per position, so a part's reads are contiguous across the warp (read
+// per slot, at pos = inv[slot], each 4-byte load took a 32-byte sector of its own); a position
+// is its slot's when inv says so (inverse_kernel's rule: live slot, valid expert, below ntpp).
 __global__ void __launch_bounds__(kPositionThreads) score_sum_kernel(const float* __restrict__ part,
+                                                                  const int32_t* __restrict__ sorted_ids,
                                                                   const int32_t* __restrict__ inv, int64_t n_slots,
                                                                   int64_t L, int parts, float* __restrict__ score) {
-  for (int64_t s = blockIdx.x * (int64_t)kPositionThreads + threadIdx.x; s < n_slots;
-       s += (int64_t)gridDim.x * kPositionThreads) {
-    const int pos = inv[s];
-    float acc = 0.f;
-    if (pos >= 0)
-      for (int q = 0; q < parts; ++q) acc += part[q * L + pos];
-    score[s] = acc;
+  const int64_t items = n_slots > L ? n_slots : L;
+  for (int64_t i = blockIdx.x * (int64_t)kPositionThreads + threadIdx.x; i < items;
+       i += (int64_t)gridDim.x * kPositionThreads) {
+    if (i < L) {  // i as a position
+      const int sid = sorted_ids[i];
+      if (gemm::live_slot(sid, (int)n_slots) && inv[sid] == i) {
+        float acc = 0.f;
+        for (int q = 0; q < parts; ++q) acc += part[q * L + i];
+        score[sid] = acc;
+      }
+    }
+    if (i < n_slots && inv[i] < 0) score[i] = 0.f;  // i as a slot
   }
 }
 
@@ -131,10 +140,11 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
                                   false, stream);
     if (err != cudaSuccess) return err;
-    const int grid = heuristics::capped_grid(n_slots, kPositionThreads, kPositionCtasPerSm);
+    const int grid = heuristics::capped_grid(n_slots > a.L ? n_slots : a.L, kPositionThreads, kPositionCtasPerSm);
     // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
     // written, and the sum stops before them.
-    score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(part, inv, n_slots, a.L, (int)(a.I / 16), a.score);
+    score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(part, a.sorted_ids, inv, n_slots, a.L, (int)(a.I / 16),
+                                                             a.score);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
