@@ -23,10 +23,11 @@ backward as restated in flash_moe/tests/prime_rl_peer.py, the four backward GEMM
 (`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
 memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
 fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
-Our row also records the backward, `fused_moe_bf16_dgrad` and `fused_moe_bf16_wgrad` at bpc 1 and
-2 (the gate/up dgrad and the wgrads as CTA pairs), timed as `op_alone_ms_by_bpc`
-(`backward_ms_by_bpc`, `dgrad_ms_by_bpc`, `wgrad_ms_by_bpc`); the row's own time is at bpc 1,
-what `moe` runs.
+Our row also records `fused_moe_bf16_dgrad` at bpc 1 and 2 (the gate/up dgrad as CTA pairs;
+`dgrad_ms_by_bpc`), and `fused_moe_bf16_wgrad` and the backward at bpc 1 and 2, each with and
+without `overlap` (the wgrads' epilogues under their wgmmas; `wgrad_ms_by_variant`,
+`backward_ms_by_variant`, `bits_equal_across_variants`), timed as `op_alone_ms_by_bpc`; the row's
+own time is at bpc 1 without overlap, what `moe` runs.
 
 Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
 
@@ -253,13 +254,14 @@ def profile_kernels(fn, calls=5):
     return per
 
 
-def op_alone_by_bpc(op_for_bpc, iters):
-    """{bpc: ms} of the op alone for bpc 1 and 2, timed alternately twice, the faster of each
-    pair kept (fresh H200s drift by several % at the large shapes within seconds)."""
-    times = {1: [], 2: []}
-    for b in (1, 2, 2, 1):
-        times[b].append(median_ms(op_for_bpc(b), iters))
-    return {b: round(min(v), 4) for b, v in times.items()}
+def op_alone_by(op_for, iters, keys=(1, 2)):
+    """{key: ms} of the op alone for each variant key (default: bpc 1 and 2), timed in order and
+    then in reverse, the faster of each key's two timings kept (fresh H200s drift by several % at
+    the large shapes within seconds)."""
+    times = {k: [] for k in keys}
+    for k in (*keys, *reversed(keys)):
+        times[k].append(median_ms(op_for(k), iters))
+    return {k: round(min(v), 4) for k, v in times.items()}
 
 
 def moe_row(rows, op, impl, shape, ms, err, flop_factor=6, **extra):
@@ -324,7 +326,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
     ours(0)
     err = rel(outs[0])
     ms = median_ms(ours, args.iters)
-    ms_by_bpc = op_alone_by_bpc(ours_op, args.iters)
+    ms_by_bpc = op_alone_by(ours_op, args.iters)
     print(f"{SHAPES[si]} mxfp8 op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
           f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
     row("prime-kernels", ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc], op_alone_ms_by_bpc=ms_by_bpc,
@@ -484,32 +486,40 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
 
     _, dab, sh, _ = dgrad_for_bpc(1)(0)
 
-    def wgrad_for_bpc(b):
+    # The wgrad and backward variants: "bpc=b" and "bpc=b overlap" (the wgrads' epilogues under
+    # their wgmmas).
+    variants = ("bpc=1", "bpc=2", "bpc=1 overlap", "bpc=2 overlap")
+
+    def options(v):
+        return {"bpc": int(v[4]), "overlap": v.endswith("overlap")}
+
+    def wgrad_for(v):
         def call(i):
-            return kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k, bpc=b)
+            return kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k, **options(v))
         return call
 
-    def backward_for_bpc(b):
+    def backward_for(v):
         def call(i):
-            return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=b)
+            return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, **options(v))
         return call
 
-    dgrad_ms = op_alone_by_bpc(dgrad_for_bpc, args.iters)
-    wgrad_ms = op_alone_by_bpc(wgrad_for_bpc, args.iters)
+    dgrad_ms = op_alone_by(dgrad_for_bpc, args.iters)
+    wgrad_ms = op_alone_by(wgrad_for, args.iters, variants)
     del dab, sh
-    backward_ms = op_alone_by_bpc(backward_for_bpc, args.iters)
-    print(f"{shape} at bpc 1 / 2: backward {backward_ms[1]:.3f} / {backward_ms[2]:.3f} ms, dgrad {dgrad_ms[1]:.3f} / "
-          f"{dgrad_ms[2]:.3f}, wgrad {wgrad_ms[1]:.3f} / {wgrad_ms[2]:.3f}", flush=True)
-    same_bits = all(torch.equal(a, b) for a, b in zip(backward_for_bpc(1)(0), backward_for_bpc(2)(0)))
+    backward_ms = op_alone_by(backward_for, args.iters, variants)
+    print(f"{shape} dgrad at bpc 1 / 2: {dgrad_ms[1]:.3f} / {dgrad_ms[2]:.3f} ms; " + "; ".join(
+        f"{v}: backward {backward_ms[v]:.3f}, wgrad {wgrad_ms[v]:.3f}" for v in variants), flush=True)
+    default = backward_for(variants[0])(0)
+    same_bits = all(all(torch.equal(a, b) for a, b in zip(backward_for(v)(0), default)) for v in variants[1:])
     if not same_bits:
-        print(f"{shape} WARNING: the backward's gradients at bpc 2 differ from bpc 1's", flush=True)
+        print(f"{shape} WARNING: the backward's gradients differ between {variants}", flush=True)
     errs = errors(ours(0))
     kernels = profile_kernels(ours) if args.profile else None
     sus = monitor.sustained(ours, 12 * T * top_k * K * I) if monitor else None
     moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
             max(errs.values()), 12, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
-            backward_ms_by_bpc=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_bpc=wgrad_ms,
-            bits_equal_across_bpc=same_bits)
+            backward_ms_by_variant=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_variant=wgrad_ms,
+            bits_equal_across_variants=same_bits)
     errs_p = errors(prime_rl(0))
     moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, median_ms(prime_rl, args.iters),
             max(errs_p.values()), 12, grad_rel_err_vs_fp32=errs_p,
@@ -760,7 +770,7 @@ def main():
         ours(0)
         err = rel(outs[0])
         ms = median_ms(ours, args.iters)
-        ms_by_bpc = op_alone_by_bpc(ours_op, args.iters)
+        ms_by_bpc = op_alone_by(ours_op, args.iters)
         kernels = profile_kernels(ours) if args.profile else None
         print(f"{SHAPES[si]} op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
               f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)

@@ -146,6 +146,7 @@ struct FusedMoeBf16WgradArgs {
   int64_t M, K, I, E, L;
   int top_k;
   int bpc = 1;                // 1, or 2: both GEMMs as CTA pairs sharing the A operand's loads
+  bool overlap = false;       // each output tile's epilogue under wgmmas (same bits)
   void* workspace;            // fused_moe_bf16_wgrad_workspace_bytes(E, L) bytes, 256-byte aligned
 };
 size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L);

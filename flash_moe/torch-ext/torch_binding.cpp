@@ -329,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
     const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dab, const at::Tensor& sh,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-    int64_t num_experts, int64_t top_k, int64_t bpc) {
+    int64_t num_experts, int64_t top_k, int64_t bpc, bool overlap) {
   const char* op = "fused_moe_bf16_wgrad";
   check_cuda_contig(x, op, "x");
   check_dtype(x, at::kBFloat16, op, "x");
@@ -390,6 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
   a.L = L;
   a.top_k = (int)top_k;
   a.bpc = (int)bpc;
+  a.overlap = overlap;
   a.workspace = ws.data_ptr();
   const cudaError_t err = flash_moe::fused_moe_bf16_wgrad(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
@@ -517,8 +518,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("fused_moe_bf16_dgrad", torch::kCPU, &fused_moe_bf16_dgrad);
   ops.def(
       "fused_moe_bf16_wgrad(Tensor x, Tensor grad_out, Tensor dab, Tensor sh, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k, int bpc=1) -> "
-      "(Tensor, Tensor, Tensor)");
+      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k, int bpc=1, "
+      "bool overlap=False) -> (Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_wgrad", torch::kCUDA, &fused_moe_bf16_wgrad);
   ops.impl("fused_moe_bf16_wgrad", torch::kCPU, &fused_moe_bf16_wgrad);
   ops.def(

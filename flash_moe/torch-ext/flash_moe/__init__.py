@@ -269,6 +269,7 @@ def fused_moe_bf16_wgrad(
     num_experts: int,
     top_k: int,
     bpc: int = 1,
+    overlap: bool = False,
 ):
     """Weight gradients of `fused_moe_bf16` from `fused_moe_bf16_dgrad`'s dab and sh.
 
@@ -285,12 +286,15 @@ def fused_moe_bf16_wgrad(
     consecutive, padding after its live rows; with other buffers reads stay in bounds and the
     gradients are undefined); I % 64 == 0. bpc: 1, or 2 to run both GEMMs as CTA pairs (two
     output tiles of one expert's rows per pair, sharing the loads of dab or sh; K <= 128, one
-    such tile, runs unpaired); the output bits do not depend on it. The default stays 1 until bpc=2 is measured (flash_moe/DESIGN.md §8).
+    such tile, runs unpaired); the output bits do not depend on it. overlap: store each output
+    tile under wgmmas (half of it under its own last k-block, half under the next tile's first)
+    instead of after them; the same bits. The defaults stay bpc=1, overlap=False until the other
+    values are measured (flash_moe/DESIGN.md §8).
     Each output tile is one CTA's (no float atomics): bit-identical run to run; no host
     synchronisation.
     """
     return ops.fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    int(num_experts), int(top_k), int(bpc))
+                                    int(num_experts), int(top_k), int(bpc), bool(overlap))
 
 
 def fused_moe_mxfp8(
@@ -411,7 +415,7 @@ def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, e
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_wgrad"))
 def _fused_moe_bf16_wgrad_fake(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               num_experts, top_k, bpc=1):
+                               num_experts, top_k, bpc=1, overlap=False):
     K, I = x.shape[1], sh.shape[1]
     return (x.new_empty((num_experts, I, K)), x.new_empty((num_experts, I, K)), x.new_empty((num_experts, K, I)))
 

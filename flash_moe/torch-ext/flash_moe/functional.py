@@ -133,7 +133,8 @@ def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> 
     return (torch.cumsum(counts[:num_experts], 0) * (sorted_len // block.numel())).to(torch.int32)
 
 
-def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=1):
+def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=1,
+                   overlap=False):
     """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
     the score gradient from the saved pre-activations), then `fused_moe_bf16_wgrad` (the three
     weight gradients, each expert's rows the reduction). Needs `fused_backward_serves(I)`.
@@ -148,6 +149,8 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
         needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
         bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs (same bits; `moe`
             passes 1 until 2 is measured).
+        overlap: the wgrads' epilogues under their wgmmas (`fused_moe_bf16_wgrad`'s; same bits;
+            `moe` passes False until True is measured).
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
     Deterministic (no float atomics), no host synchronisation, CUDA-graph capturable."""
@@ -161,7 +164,7 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
     if any(needs_input_grad[1:4]):  # one op computes all three (training needs all three)
         gw1, gw3, gw2 = fused_moe_bf16_wgrad(x.to(bf).contiguous(), g, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k,
-                                             bpc=bpc)
+                                             bpc=bpc, overlap=overlap)
         grads[1:4] = [t if need else None for t, need in zip((gw1, gw2, gw3), needs_input_grad[1:4])]
     inputs = (x, w1, w2, w3, topk_weights)
     return tuple(None if t is None else t.to(i.dtype).contiguous() for t, i in zip(grads, inputs))

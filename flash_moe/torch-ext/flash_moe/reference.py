@@ -258,9 +258,9 @@ def fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_
 
 
 def fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded, num_experts,
-                         top_k, bpc: int = 1, block_m: int = BLOCK_M):
-    """Reference of `flash_moe.fused_moe_bf16_wgrad` (any bpc), in fp32: over expert e's live positions p
-    (slot s, token t = s // top_k), grad_w1|w3[e] = sum_p dab[p, :I | I:] outer x[t] (E, I, K) and
+                         top_k, bpc: int = 1, overlap: bool = False, block_m: int = BLOCK_M):
+    """Reference of `flash_moe.fused_moe_bf16_wgrad` (any bpc, overlap), in fp32: over expert e's
+    live positions p (slot s, token t = s // top_k), grad_w1|w3[e] = sum_p dab[p, :I | I:] outer x[t] (E, I, K) and
     grad_w2[e] = sum_p grad_out[t] outer sh[p] (E, K, I), bf16; zeros for an expert without rows."""
     M, K = x.shape
     L, I = sh.shape
