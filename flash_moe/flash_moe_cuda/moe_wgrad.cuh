@@ -224,11 +224,9 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
 }
 
 // ---------------------------------------------------------------- consumers
-// One 64 x 64 output box of the consumer warpgroup's tile: A features 64 block.. of its 128 (acc,
-// that block's accumulators), B features 64 tb..; put in shared memory at `boxes` + tb * 8 KB and
-// stored by TMA (thread 0 of the warpgroup; one bulk group per box, committed even when the box
-// lies past the output).
-// The 64 x 64 TMA store of box `box` (see store_box); thread 0 of the warpgroup.
+// The TMA store of output box (block, tb) of the consumer warpgroup's tile from `box` (see
+// store_box), by thread 0 of the warpgroup: one bulk group per box, committed even when the box
+// lies past the output or `store` is false (a pair's idle CTA).
 template <Kind kKind>
 __device__ __forceinline__ void issue_box_store(const Maps& tm, const Params& p, int cw, const Tile& tile,
                                                 uint32_t box, int block, int tb, bool store = true) {
@@ -243,6 +241,9 @@ __device__ __forceinline__ void issue_box_store(const Maps& tm, const Params& p,
   }
   bulk_commit_group();
 }
+// One 64 x 64 output box of the consumer warpgroup's tile: A features 64 block.. of its 128 (acc,
+// that block's accumulators), B features 64 tb..; put in shared memory at `boxes` + tb * 8 KB and
+// stored by TMA.
 template <Kind kKind>
 __device__ __forceinline__ void store_box(const Maps& tm, const Params& p, const gemm::ConsumerThread& me,
                                           const Tile& tile, uint32_t boxes, int block, int tb, const float (&acc)[72],
@@ -394,9 +395,8 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
     // stores nothing: a path of its own for idle tiles made ptxas move every wgmma descriptor
     // through R2UR (~200 per kernel).
     const bool store = !(kPaired && (tile.flags & gemm::kIdle));
-    if (nk == 0) {  // an expert without rows: its gradient is zero, one stage without data
+    if (nk == 0) {  // an expert without rows: its gradient is zero, one stage (taken above) without data
       store_pending();
-      take(it);
       held.release(bars, cw);
       ++it;
       held.hold_last(it);
@@ -412,8 +412,9 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
       uint32_t stage = take(it);
       if (pending.e >= 0) {
         mma_block(acc0, stage, 0, true);
-        // Waits for nothing (block 1's wgmmas finished with the last tile): it tells ptxas so,
-        // which it does not see across the loop and would make sure of by a full wait here.
+        // Waits for nothing (every path ends a tile with hold_last's wait<0>): it tells ptxas that
+        // block 1's wgmmas are done, which it does not see across the loop and would make sure
+        // of by a full wait here.
         wgmma_wait<1>();
         put_pending();  // reads acc1 while block 0's wgmmas run
         mma_block(acc1, stage, 1, true);
