@@ -23,11 +23,12 @@ backward as restated in flash_moe/tests/prime_rl_peer.py, the four backward GEMM
 (`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
 memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
 fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
-Our row also records `fused_moe_bf16_dgrad` at bpc 1 and 2 (the gate/up dgrad as CTA pairs;
-`dgrad_ms_by_bpc`), and `fused_moe_bf16_wgrad` and the backward at bpc 1 and 2, each with and
-without `overlap` (the wgrads' epilogues under their wgmmas; `wgrad_ms_by_variant`,
-`backward_ms_by_variant`, `bits_equal_across_variants`), timed as `op_alone_ms_by_bpc`; the row's
-own time is at bpc 1 without overlap, what `moe` runs.
+Our row also records the backward's options, each timed as `op_alone_ms_by_bpc` is: at bpc 1
+and 2 (CTA pairs), with and without `overlap` (the wgrads' epilogues under their wgmmas) and
+`fold` (the top-k sum inside the gate/up dgrad): `fused_moe_bf16_dgrad` by bpc and fold
+(`dgrad_ms_by_variant`), `fused_moe_bf16_wgrad` by bpc and overlap (`wgrad_ms_by_variant`), the
+backward by all three (`backward_ms_by_variant`, `bits_equal_across_variants`); the row's own time
+is the defaults' (bpc 1, neither), what `moe` runs.
 
 Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
 
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import pathlib
@@ -479,23 +481,31 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
         lv = leaves_of(i)
         peer.PrimeRlFusedMoE.apply(lv[0], lv[1], lv[2], lv[3], ids, lv[4], E, False).backward(go)
 
-    def dgrad_for_bpc(b):
+    # The variants of the backward's options (each keeps the default's bits): "bpc=b" plus
+    # "overlap" (the wgrads' epilogues under their wgmmas) and/or "fold" (the top-k sum inside the
+    # gate/up dgrad). The dgrad takes bpc and fold, the wgrad bpc and overlap.
+    def options(v, keys=("overlap", "fold_sum")):
+        words = v.split()
+        flags = {"overlap": "overlap" in words, "fold_sum": "fold" in words}
+        return {"bpc": int(words[0][4:]), **{k: flags[k] for k in keys}}
+
+    def variants_of(*words):  # ("bpc=1", "bpc=2", "bpc=1 fold", ...)
+        return tuple(" ".join((f"bpc={b}", *(w for w, on in zip(words, bits) if on)))
+                     for bits in itertools.product((False, True), repeat=len(words)) for b in (1, 2))
+
+    def dgrad_for(v):
         def call(i):
-            return kernel.fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt, top_k, bpc=b)
+            return kernel.fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt, top_k,
+                                               **options(v, ("fold_sum",)))
         return call
 
-    _, dab, sh, _ = dgrad_for_bpc(1)(0)
-
-    # The wgrad and backward variants: "bpc=b" and "bpc=b overlap" (the wgrads' epilogues under
-    # their wgmmas).
-    variants = ("bpc=1", "bpc=2", "bpc=1 overlap", "bpc=2 overlap")
-
-    def options(v):
-        return {"bpc": int(v[4]), "overlap": v.endswith("overlap")}
+    _, dab, sh, _ = dgrad_for("bpc=1")(0)
+    variants = variants_of("overlap", "fold")
 
     def wgrad_for(v):
         def call(i):
-            return kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k, **options(v))
+            return kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k,
+                                               **options(v, ("overlap",)))
         return call
 
     def backward_for(v):
@@ -503,12 +513,13 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
             return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, **options(v))
         return call
 
-    dgrad_ms = op_alone_by(dgrad_for_bpc, args.iters)
-    wgrad_ms = op_alone_by(wgrad_for, args.iters, variants)
+    dgrad_ms = op_alone_by(dgrad_for, args.iters, variants_of("fold"))
+    wgrad_ms = op_alone_by(wgrad_for, args.iters, variants_of("overlap"))
     del dab, sh
     backward_ms = op_alone_by(backward_for, args.iters, variants)
-    print(f"{shape} dgrad at bpc 1 / 2: {dgrad_ms[1]:.3f} / {dgrad_ms[2]:.3f} ms; " + "; ".join(
-        f"{v}: backward {backward_ms[v]:.3f}, wgrad {wgrad_ms[v]:.3f}" for v in variants), flush=True)
+    print(f"{shape} backward: " + "; ".join(f"{v} {ms:.3f}" for v, ms in backward_ms.items()) + " ms", flush=True)
+    print(f"{shape} dgrad: " + "; ".join(f"{v} {ms:.3f}" for v, ms in dgrad_ms.items()) + "; wgrad: " +
+          "; ".join(f"{v} {ms:.3f}" for v, ms in wgrad_ms.items()) + " ms", flush=True)
     default = backward_for(variants[0])(0)
     same_bits = all(all(torch.equal(a, b) for a, b in zip(backward_for(v)(0), default)) for v in variants[1:])
     if not same_bits:
@@ -518,7 +529,7 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     sus = monitor.sustained(ours, 12 * T * top_k * K * I) if monitor else None
     moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
             max(errs.values()), 12, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
-            backward_ms_by_variant=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_variant=wgrad_ms,
+            backward_ms_by_variant=backward_ms, dgrad_ms_by_variant=dgrad_ms, wgrad_ms_by_variant=wgrad_ms,
             bits_equal_across_variants=same_bits)
     errs_p = errors(prime_rl(0))
     moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, median_ms(prime_rl, args.iters),

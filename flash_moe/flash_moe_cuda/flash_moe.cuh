@@ -117,6 +117,7 @@ struct FusedMoeBf16DgradArgs {
   int64_t M, K, I, E, L;
   int top_k;
   int bpc = 1;                // the gate/up dgrad's m-blocks per cluster: 1, or 2 (CTA pairs)
+  bool fold_sum = false;      // grad_x summed inside the gate/up dgrad, not by a reduce after it (same bits)
   void* workspace;            // fused_moe_bf16_dgrad_workspace_bytes(...) bytes, 256-byte aligned
 };
 size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);

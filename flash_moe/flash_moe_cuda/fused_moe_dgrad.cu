@@ -7,6 +7,7 @@
 //   score       score[slot] = sum over the partials at pos(slot), in a fixed order       (here)
 //   GEMM2 gate/up dgrad (kGateUpDgrad): dx[p] = dA[p] @ W1[e] + dB[p] @ W3[e] (the down GEMM's roles)
 //   reduce      grad_x[t] = sum_{k ascending} dx[pos(t*top_k + k)]  in fp32            (topk_reduce.cu)
+//               or, with fold_sum, inside GEMM2 by its producer's warps 1-3      (moe_gemm_fold.cuh)
 //
 // Both GEMMs are the forward's kernel (moe_gemm.cuh) with the weights read M-major, one CTA per
 // SM; the gate/up dgrad also as CTA pairs (bpc = 2: the forward's units, each CTA multicasting
@@ -39,28 +40,48 @@ int64_t score_parts(int64_t I) { return 16 * ((I + 255) / 256); }
 
 // The workspace's regions (RegionTable, as the forward's WorkspaceLayout).
 struct DgradWorkspace {
-  enum Region { kDx, kScorePart, kInv, kCounters, kUnits, kRegions };
+  enum Region { kDx, kScorePart, kInv, kCounters, kUnits, kFoldCount, kRegions };
   // Two tile counters, then h_done and block_live per m-block (slot_positions writes block_live;
   // the GEMMs' HandOff is unused here but its counters must exist). kUnits: the CTA pairs' units
-  // (int2, one per m-block at most) and their count, as the forward's.
+  // (int2, one per m-block at most) and their count, as the forward's. kFoldCount: fold_sum's
+  // count per token and 128-feature chunk (gemm::FoldParams), set by score_sum_kernel.
   static int64_t counter_ints(int64_t L) { return 2 + 2 * WorkspaceLayout::blocks(L); }
+  static int64_t fold_chunks(int64_t K) { return (K + gemm::kFoldChunk - 1) / gemm::kFoldChunk; }
   RegionTable<kRegions> table;
   DgradWorkspace(int64_t M, int64_t K, int64_t I, int64_t L, int top_k)
       : table({(size_t)(L * K * 2), (size_t)(score_parts(I) * L * 4), (size_t)(M * top_k * 4),
-               (size_t)counter_ints(L) * 4, (size_t)(2 * WorkspaceLayout::blocks(L) + 1) * 4}) {}
+               (size_t)counter_ints(L) * 4, (size_t)(2 * WorkspaceLayout::blocks(L) + 1) * 4,
+               (size_t)(M * fold_chunks(K) * 4)}) {}
 };
 
 // score[slot] = sum over q ascending of part[q][pos] at the slot's position pos; 0 for a slot
 // without one. One thread per position, so a part's reads are contiguous across the warp (read
 // per slot, at pos = inv[slot], each 4-byte load took a 32-byte sector of its own); a position
 // is its slot's when inv says so (inverse_kernel's rule: live slot, valid expert, below ntpp).
+// With fold (fold_sum): also, per token, its slots without a position into every chunk's count,
+// and grad_x's row zeroed for a token with none (no tile completes it).
+struct FoldPrep {
+  int* count;  // null: no fold
+  __nv_bfloat16* grad_x;
+  int64_t M, K;
+  int top_k, chunks;
+};
 __global__ void __launch_bounds__(kPositionThreads) score_sum_kernel(const float* __restrict__ part,
                                                                   const int32_t* __restrict__ sorted_ids,
                                                                   const int32_t* __restrict__ inv, int64_t n_slots,
-                                                                  int64_t L, int parts, float* __restrict__ score) {
-  const int64_t items = n_slots > L ? n_slots : L;
+                                                                  int64_t L, int parts, float* __restrict__ score,
+                                                                  FoldPrep fold) {
+  int64_t items = n_slots > L ? n_slots : L;
+  if (fold.count && fold.M > items) items = fold.M;
   for (int64_t i = blockIdx.x * (int64_t)kPositionThreads + threadIdx.x; i < items;
        i += (int64_t)gridDim.x * kPositionThreads) {
+    if (fold.count && i < fold.M) {  // i as a token
+      int dead = 0;
+      for (int k = 0; k < fold.top_k; ++k) dead += inv[i * fold.top_k + k] < 0;
+      for (int c = 0; c < fold.chunks; ++c) fold.count[i * fold.chunks + c] = dead;
+      if (dead == fold.top_k)
+        for (int64_t f = 0; f < fold.K; f += 8) *reinterpret_cast<uint4*>(fold.grad_x + i * fold.K + f) = make_uint4(0, 0, 0, 0);
+    }
     if (i < L) {  // i as a position
       const int sid = sorted_ids[i];
       if (gemm::live_slot(sid, (int)n_slots) && inv[sid] == i) {
@@ -107,6 +128,7 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   int32_t* const block_live = counters + 2 + WorkspaceLayout::blocks(a.L);
   auto* units = reinterpret_cast<int2*>(b + at[R::kUnits]);
   int32_t* const num_units = reinterpret_cast<int32_t*>(units + WorkspaceLayout::blocks(a.L));
+  auto* fold_count = reinterpret_cast<int32_t*>(b + at[R::kFoldCount]);
   const int64_t n_slots = a.M * a.top_k;
   cudaError_t err = cudaMemsetAsync(inv, 0xFF, (size_t)n_slots * 4, stream);
   if (err == cudaSuccess) err = cudaMemsetAsync(counters, 0, (size_t)R::counter_ints(a.L) * 4, stream);
@@ -140,11 +162,14 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
                                   false, stream);
     if (err != cudaSuccess) return err;
-    const int grid = heuristics::capped_grid(n_slots > a.L ? n_slots : a.L, kPositionThreads, kPositionCtasPerSm);
+    const int64_t items = n_slots > a.L ? n_slots : a.L;  // positions, slots (and tokens, fewer than slots)
+    const int grid = heuristics::capped_grid(items, kPositionThreads, kPositionCtasPerSm);
     // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
     // written, and the sum stops before them.
+    const FoldPrep prep{a.fold_sum ? fold_count : nullptr, static_cast<__nv_bfloat16*>(a.grad_x), a.M, a.K, a.top_k,
+                        (int)R::fold_chunks(a.K)};
     score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(part, a.sorted_ids, inv, n_slots, a.L, (int)(a.I / 16),
-                                                             a.score);
+                                                             a.score, prep);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
     // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
@@ -170,12 +195,19 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
       if ((err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, block_live, units, num_units, stream)) != cudaSuccess)
         return err;
     }
+    if (a.fold_sum) {
+      p2.fold = {fold_count, inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
+      return a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, true, true>,
+                                                  smem, gate_up, p2, false, true, stream)
+                        : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, false, true>,
+                                                  smem, gate_up, p2, false, false, stream);
+    }
     err = a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, true>,
                                                smem, gate_up, p2, false, true, stream)
                      : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem,
                                                gate_up, p2, false, false, stream);
     if (err != cudaSuccess) return err;
-  } else {
+  } else {  // no positions: grad_x is zero (the reduce writes it so), and so is the score
     cudaError_t e = cudaMemsetAsync(a.score, 0, (size_t)n_slots * 4, stream);
     if (e != cudaSuccess) return e;
   }

@@ -287,7 +287,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
     const at::Tensor& grad_out, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2, const at::Tensor& preact,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-    const at::Tensor& topk_weights, int64_t top_k, int64_t bpc) {
+    const at::Tensor& topk_weights, int64_t top_k, int64_t bpc, bool fold_sum) {
   const char* op = "fused_moe_bf16_dgrad";
   check_dtype(grad_out, at::kBFloat16, op, "grad_out");  // first: the shared rules check it as `out` too
   const MoeDims d = check_moe_inputs(op, grad_out, w1, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -321,6 +321,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
   a.sh = sh.data_ptr();
   a.score = score.data_ptr<float>();
   a.bpc = (int)bpc;
+  a.fold_sum = fold_sum;
   const cudaError_t err = flash_moe::fused_moe_bf16_dgrad(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
   return {grad_x, dab, sh, score};
@@ -512,8 +513,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
   ops.def(
       "fused_moe_bf16_dgrad(Tensor grad_out, Tensor w1, Tensor w3, Tensor w2, Tensor preact, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int bpc=1) -> "
-      "(Tensor, Tensor, Tensor, Tensor)");
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int bpc=1, "
+      "bool fold_sum=False) -> (Tensor, Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_dgrad", torch::kCUDA, &fused_moe_bf16_dgrad);
   ops.impl("fused_moe_bf16_dgrad", torch::kCPU, &fused_moe_bf16_dgrad);
   ops.def(

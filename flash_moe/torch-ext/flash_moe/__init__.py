@@ -231,6 +231,7 @@ def fused_moe_bf16_dgrad(
     topk_weights: torch.Tensor,
     top_k: int,
     bpc: int = 1,
+    fold_sum: bool = False,
 ):
     """Data gradients of `fused_moe_bf16`, given the forward's routing buffers and `preact`.
 
@@ -250,12 +251,14 @@ def fused_moe_bf16_dgrad(
     w1, w3: (E, I, K) bf16 gate and up projections (the forward's w = cat([w1, w3], 1), kept
     apart here so the backward never copies them); the rest as `fused_moe_bf16` (grad_out like
     x); I % 64 == 0. bpc: 1, or 2 to run the gate/up dgrad GEMM as CTA pairs (as
-    `fused_moe_bf16(bpc=2)` runs its GEMMs); the output bits do not depend on it. The default
-    stays 1 until bpc=2 is measured (flash_moe/DESIGN.md §8). Deterministic (no float atomics),
-    no host synchronisation.
+    `fused_moe_bf16(bpc=2)` runs its GEMMs); the output bits do not depend on it. fold_sum: sum
+    grad_x's top_k rows inside the gate/up dgrad (its idle producer warps, as each token's last
+    row lands) instead of in a kernel after it; the same bits. The defaults stay bpc=1,
+    fold_sum=False until the others are measured (flash_moe/DESIGN.md §8). Deterministic (no
+    float atomics), no host synchronisation.
     """
     return ops.fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    topk_weights, int(top_k), int(bpc))
+                                    topk_weights, int(top_k), int(bpc), bool(fold_sum))
 
 
 def fused_moe_bf16_wgrad(
@@ -407,7 +410,7 @@ def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_dgrad"))
 def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               topk_weights, top_k, bpc=1):
+                               topk_weights, top_k, bpc=1, fold_sum=False):
     L, I = sorted_token_ids.shape[0], w1.shape[1]
     return (grad_out.new_empty(grad_out.shape), grad_out.new_empty((L, 2 * I)), grad_out.new_empty((L, I)),
             grad_out.new_empty(topk_weights.shape, dtype=torch.float32))

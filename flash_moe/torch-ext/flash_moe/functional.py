@@ -134,7 +134,7 @@ def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> 
 
 
 def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=1,
-                   overlap=False):
+                   overlap=False, fold_sum=False):
     """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
     the score gradient from the saved pre-activations), then `fused_moe_bf16_wgrad` (the three
     weight gradients, each expert's rows the reduction). Needs `fused_backward_serves(I)`.
@@ -151,6 +151,8 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
             passes 1 until 2 is measured).
         overlap: the wgrads' epilogues under their wgmmas (`fused_moe_bf16_wgrad`'s; same bits;
             `moe` passes False until True is measured).
+        fold_sum: grad_x's top-k sum inside the gate/up dgrad (`fused_moe_bf16_dgrad`'s; same
+            bits; `moe` passes False until True is measured).
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
     Deterministic (no float atomics), no host synchronisation, CUDA-graph capturable."""
@@ -160,7 +162,8 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
     g = grad_out.to(bf).contiguous()
     gx, dab, sh, score = fused_moe_bf16_dgrad(g, w1.to(bf).contiguous(), w3.to(bf).contiguous(), w2.to(bf).contiguous(),
                                               preact, sorted_ids, expert_ids, ntpp,
-                                              topk_weights.to(torch.float32).contiguous(), top_k, bpc=bpc)
+                                              topk_weights.to(torch.float32).contiguous(), top_k, bpc=bpc,
+                                              fold_sum=fold_sum)
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
     if any(needs_input_grad[1:4]):  # one op computes all three (training needs all three)
         gw1, gw3, gw2 = fused_moe_bf16_wgrad(x.to(bf).contiguous(), g, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k,
