@@ -34,3 +34,11 @@ for results in sorted(out.glob("*/h200.json")):
             rate, frac = f"{row['tflops']:.0f} TF/s", row["tflops"] / ceil["bf16_matmul_TFLOPs"]
         print(f"{row['op']:34} {row['impl']:21} {shape:34} {row['ms']:8.3f} {rate:>12} {frac:10.0%}  "
               f"{back_to_back(row.get('sustained'))}")
+    for row in data["rows"]:  # the backward's options (flash_moe compare.py), each against the default's
+        variants = row.get("backward_ms_by_variant")
+        if variants:
+            shape = ",".join(str(v) for v in row["shape"].values())
+            base = variants.get("bpc=1")
+            print(f"backward options {shape}: " + "; ".join(
+                f"{v} {ms:.3f}" + (f" ({ms / base - 1:+.1%})" if base and v != "bpc=1" else "") for v, ms in variants.items())
+                + f"; bits equal: {row.get('bits_equal_across_variants')}")
