@@ -82,41 +82,46 @@ struct FoldPublisher {
   }
 };
 
-__device__ __forceinline__ void add_bf16x4(float (&acc)[4], uint2 v) {
-  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
-  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.y));
-  acc[0] += a.x;
-  acc[1] += a.y;
-  acc[2] += b.x;
-  acc[3] += b.y;
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(b[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
 }
 
-// One helper warp: grad_x[t] over chunk c's 128 features, 4 per lane, from the top_k dx rows in
-// k order (loads of 8 rows in flight at once, adds in order: reduce_kernel's sums). The count's
-// acquire by one lane, then __syncwarp, orders every lane's loads after the rows' stores.
-__device__ __forceinline__ void sum_chunk(const GemmParams& p, int t, int c, int lane) {
-  const int f = kFoldChunk * c + 4 * lane;
-  const bool in = f < p.n_out;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int k0 = 0; k0 < p.top_k; k0 += 8) {
-    uint2 v[8];
+// Half a helper warp (16 lanes, `sub` = lane % 16, 8 features each): grad_x[t] over chunk c's 128
+// features from the token's top_k dx rows, fp32 adds in k order from 0 (reduce_kernel's sums and
+// bits), kRowsInFlight rows' loads in flight at once (8 spilled in the producer's 56 registers);
+// t < 0: nothing. The two halves sum two tokens at once,
+// so a warp waits for one round trip per two completions. The count's acquire by the completing
+// lane, then __syncwarp, orders these loads after the rows' stores.
+constexpr int kRowsInFlight = 4;
+__device__ __forceinline__ void sum_chunk(const GemmParams& p, int t, int c, int sub) {
+  const int f = kFoldChunk * c + 8 * sub;
+  const bool in = t >= 0 && f < p.n_out;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int k0 = 0; k0 < p.top_k; k0 += kRowsInFlight) {
+    uint4 v[kRowsInFlight];
     uint32_t loaded = 0;  // bit i: row k0 + i has a position (and the lane features)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int pos = k0 + i < p.top_k ? p.fold.inv[(int64_t)t * p.top_k + k0 + i] : -1;
-      if (in && pos >= 0) {
-        v[i] = __ldcg(reinterpret_cast<const uint2*>(p.out + (int64_t)pos * p.ldo + f));
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      const int pos = in && k0 + i < p.top_k ? p.fold.inv[(int64_t)t * p.top_k + k0 + i] : -1;
+      if (pos >= 0) {
+        v[i] = __ldcg(reinterpret_cast<const uint4*>(p.out + (int64_t)pos * p.ldo + f));
         loaded |= 1u << i;
       }
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if ((loaded >> i) & 1u) add_bf16x4(acc, v[i]);
+    for (int i = 0; i < kRowsInFlight; ++i)
+      if ((loaded >> i) & 1u) add_bf16x8(acc, v[i]);
   }
-  if (in) {
-    const uint2 r = make_uint2(bf16x2_bits(acc[0], acc[1]), bf16x2_bits(acc[2], acc[3]));
-    *reinterpret_cast<uint2*>(p.fold.grad_x + (int64_t)t * p.n_out + f) = r;
-  }
+  if (in)
+    *reinterpret_cast<uint4*>(p.fold.grad_x + (int64_t)t * p.n_out + f) =
+        make_uint4(bf16x2_bits(acc[0], acc[1]), bf16x2_bits(acc[2], acc[3]), bf16x2_bits(acc[4], acc[5]),
+                   bf16x2_bits(acc[6], acc[7]));
 }
 
 // Producer warps 1-3: for each published tile, each helper thread counts rows h and h + 96 of
@@ -141,8 +146,11 @@ __device__ inline void fold_topk_sums(const GemmParams& p, const FoldRing& ring)
         const int r = h + kFoldHelpers * i, q = 2 * half + i;
         done_t[q] = -1;
         if (r >= rows || c * kFoldChunk >= p.n_out) continue;
+        // A row counts only as its slot's position (inv: inverse_kernel's rule, which set the
+        // counts), so user-made routing buffers (a slot twice, one past num_tokens_post_padded)
+        // cannot complete a token early.
         const int sid = p.sorted_ids[m0 + r];
-        if (!live_slot(p, sid)) continue;
+        if (!live_slot(p, sid) || p.fold.inv[sid] != m0 + r) continue;
         const int t = sid / p.top_k;
         if (atom_add_acq_rel_gpu(p.fold.count + (int64_t)t * p.fold.chunks + c, 1) == p.top_k - 1) done_t[q] = t;
       }
@@ -151,12 +159,17 @@ __device__ inline void fold_topk_sums(const GemmParams& p, const FoldRing& ring)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int c = 2 * (int)v[4 * (q / 2) + 2] + q / 2;
-      // The completing lane's token to the warp by redux.sync: a __shfl_sync anywhere here made
-      // ptxas keep the paired kernel's stage counter out of uniform registers (576 R2UR in its
-      // mainloop, against none).
-      for (uint32_t mask = __ballot_sync(0xffffffffu, done_t[q] >= 0); mask; mask &= mask - 1) {
-        const int src = __ffs(mask) - 1;
-        sum_chunk(p, (int)__reduce_or_sync(0xffffffffu, lane == src ? (uint32_t)done_t[q] : 0u), c, lane);
+      // Two completions per pass, one per half warp; each completing lane's token reaches the
+      // warp by redux.sync (as t + 1; 0: none): a __shfl_sync anywhere here made ptxas keep the
+      // paired kernel's stage counter out of uniform registers (576 R2UR in its mainloop).
+      for (uint32_t mask = __ballot_sync(0xffffffffu, done_t[q] >= 0); mask;) {
+        const int src0 = __ffs(mask) - 1;
+        mask &= mask - 1;
+        const int src1 = mask ? __ffs(mask) - 1 : -1;
+        mask &= mask ? mask - 1 : 0u;
+        const int t0 = (int)__reduce_or_sync(0xffffffffu, lane == src0 ? (uint32_t)done_t[q] + 1u : 0u) - 1;
+        const int t1 = (int)__reduce_or_sync(0xffffffffu, lane == src1 ? (uint32_t)done_t[q] + 1u : 0u) - 1;
+        sum_chunk(p, lane < 16 ? t0 : t1, c, lane & 15);
       }
     }
   }
