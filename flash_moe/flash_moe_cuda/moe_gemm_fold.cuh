@@ -82,16 +82,6 @@ struct FoldPublisher {
   }
 };
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
-  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = __bfloat1622float2(b[q]);
-    acc[2 * q] += f.x;
-    acc[2 * q + 1] += f.y;
-  }
-}
-
 // Half a helper warp (16 lanes, `sub` = lane % 16, 8 features each): grad_x[t] over chunk c's 128
 // features from the token's top_k dx rows, fp32 adds in k order from 0 (reduce_kernel's sums and
 // bits), kRowsInFlight rows' loads in flight at once (8 spilled in the producer's 56 registers);
