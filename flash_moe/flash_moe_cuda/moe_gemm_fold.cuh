@@ -7,17 +7,18 @@
 // reduce_kernel sums (same bits) by the CTA that stores the token's last row of that chunk. Which
 // one that is, an integer count per (token, chunk) says (FoldParams::count): score_sum_kernel sets
 // it to the token's slots without a position (and zeroes grad_x of a token with none), and each
-// stored row adds one; the add that brings it to top_k completes the token. No float atomics.
+// stored row that is its slot's position adds one; the add that brings it to top_k completes the
+// token. No float atomics.
 //
 // The producer warpgroup's warps 1-3 do the adds and the sums (in kGateUpDgrad its thread 0
 // alone issues the TMA loads), off the consumers' path. A consumer warpgroup hands each tile to
 // them one tile late, as HandOff does (its dx stores have long landed by then): its thread 0 waits
 // for the stores, fences them, and writes the tile into a ring of kFoldSlots entries in shared
 // memory (FoldRing), one entry per tile whose halves the two consumer warpgroups write; an entry
-// is full after both halves (two arrivals) and free once the three helper warps have read it
+// is full after both halves (two arrivals) and vacated once the three helper warps have read it
 // (three). Both warpgroups walk the same tiles and skip the same ones (no live rows, idle CTAs),
-// so their halves meet in the same entry; the ring's free barrier keeps either from running more
-// than kFoldSlots tiles ahead.
+// so their halves meet in the same entry; the vacated barriers keep either from running more
+// than kFoldSlots tiles ahead of the helpers.
 #pragma once
 
 #include "moe_gemm_epilogue.cuh"
