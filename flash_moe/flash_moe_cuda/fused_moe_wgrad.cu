@@ -58,17 +58,21 @@ __global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const in
 
 // bpc = 2: CTA pairs, each taking two B tiles of one claim (wgrad::claim_tile<true>); with a
 // single B tile (K <= 128) every pair's second CTA would idle, so those calls run unpaired.
-// overlap: each tile's epilogue under wgmmas (wgrad::consume_overlapped).
+// overlap: each tile's epilogue under wgmmas (wgrad::consume_overlapped). The gate/up wgrad is a
+// programmatic dependent launch after the down wgrad: the two touch disjoint memory, and what
+// both read was complete before the down wgrad started, so it needs no griddep_wait and fills
+// the SMs the down wgrad's last tiles leave idle.
 template <wgrad::Kind kKind, bool kOverlap>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, cudaStream_t stream) {
   constexpr int kSmem = wgrad::Plan<kWgradStages>::kLaunchBytes;
+  constexpr bool kAfterPrevious = kKind == wgrad::Kind::kGateUp;
   if (p.b_tiles < 2) bpc = 1;
   const int64_t claims = (int64_t)p.E * p.a_tiles * (bpc == 2 ? (p.b_tiles + 1) / 2 : p.b_tiles);
   if (bpc == 2)
     return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, true, kOverlap>, kSmem, claims,
-                                         false, true, stream, tm, p);
+                                         kAfterPrevious, true, stream, tm, p);
   return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, false, kOverlap>, kSmem, claims,
-                                       false, false, stream, tm, p);
+                                       kAfterPrevious, false, stream, tm, p);
 }
 template <wgrad::Kind kKind>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, bool overlap, cudaStream_t stream) {

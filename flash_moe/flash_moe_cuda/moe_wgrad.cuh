@@ -476,6 +476,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_con
     cluster_sync();
   else
     __syncthreads();
+  // The gate/up wgrad after the down wgrad reads nothing this one writes: it may take each SM this
+  // one leaves (its launch is a programmatic dependent one, without griddep_wait).
+  griddep_launch_dependents();
   // Registers as the forward's kernel: (168 - 56) x 128 >= (224 - 168) x 256.
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
