@@ -18,6 +18,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "flash_moe.cuh"
 #include "heuristics.cuh"
 #include "launch.cuh"
@@ -195,18 +197,17 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
       if ((err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, block_live, units, num_units, stream)) != cudaSuccess)
         return err;
     }
-    if (a.fold_sum) {
-      p2.fold = {fold_count, inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
-      return a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, true, true>,
-                                                  smem, gate_up, p2, false, true, stream)
-                        : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, false, true>,
-                                                  smem, gate_up, p2, false, false, stream);
-    }
-    err = a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, true>,
-                                               smem, gate_up, p2, false, true, stream)
-                     : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem,
-                                               gate_up, p2, false, false, stream);
-    if (err != cudaSuccess) return err;
+    if (a.fold_sum) p2.fold = {fold_count, inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
+    const auto launch_gate_up = [&](auto paired, auto fold) {
+      constexpr bool kPaired = decltype(paired)::value, kFold = decltype(fold)::value;
+      return host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, kPaired, kFold>,
+                                     smem, gate_up, p2, false, kPaired, stream);
+    };
+    using std::false_type, std::true_type;
+    err = a.bpc == 2 ? (a.fold_sum ? launch_gate_up(true_type{}, true_type{}) : launch_gate_up(true_type{}, false_type{}))
+                     : (a.fold_sum ? launch_gate_up(false_type{}, true_type{})
+                                   : launch_gate_up(false_type{}, false_type{}));
+    if (err != cudaSuccess || a.fold_sum) return err;  // folded: grad_x is summed already
   } else {  // no positions: grad_x is zero (the reduce writes it so), and so is the score
     cudaError_t e = cudaMemsetAsync(a.score, 0, (size_t)n_slots * 4, stream);
     if (e != cudaSuccess) return e;

@@ -64,15 +64,10 @@ struct FoldPublisher {
   }
   __device__ void flush(const FoldRing& ring, int cw, int bar_id) {
     if (m0 < 0) return;
-    if (regs) {  // every thread's register stores, then thread 0's flag
-      __threadfence();
-      named_barrier_sync(bar_id, 128);
-    }
-    if ((threadIdx.x & 127) == 0) {
-      bulk_wait_all();             // the tile's TMA stores have landed...
-      fence_proxy_async_global();  // ...are ordered before this thread's generic accesses...
-      __threadfence();             // ...and before the helpers' count adds, at gpu scope
-    }
+    land_stores<true>(regs, bar_id);
+    // The ring's arrive is a CTA-scope release: the fence orders the stores before the helpers'
+    // gpu-scope count adds.
+    if ((threadIdx.x & 127) == 0) __threadfence();
     put(ring, cw, m0, rows, nb);
     m0 = -1;
     regs = false;

@@ -335,6 +335,25 @@ struct TileSlots {
   }
 };
 
+// ---------------------------------------------------------------- published stores
+// All 128 threads of a consumer warpgroup, before its thread 0 publishes a tile's output to other
+// threads by a flag (HandOff's count, the top-k fold's ring): every thread's register stores
+// (`regs`, or always without kTmaStores) fenced, and thread 0's TMA bulk stores (kTmaStores)
+// landed and ordered before its generic-proxy accesses.
+template <bool kTmaStores>
+__device__ __forceinline__ void land_stores(bool regs, int bar_id) {
+  if (!kTmaStores || regs) {
+    __threadfence();
+    named_barrier_sync(bar_id, 128);
+  }
+  if constexpr (kTmaStores) {
+    if ((threadIdx.x & 127) == 0) {
+      bulk_wait_all();
+      fence_proxy_async_global();
+    }
+  }
+}
+
 // ---------------------------------------------------------------- gate/up -> down handoff
 // The down GEMM is launched as a programmatic dependent of the gate/up GEMM, so its CTAs start
 // on the SMs the gate/up GEMM's last tiles leave idle, and stream order no longer covers h.
@@ -354,17 +373,8 @@ struct HandOff {
   template <bool kTmaStores>
   __device__ void flush(const GemmParams& p, int bar_id) {
     if (pending < 0) return;
-    if (!kTmaStores || pending_regs) {
-      __threadfence();
-      named_barrier_sync(bar_id, 128);
-    }
-    if ((threadIdx.x & 127) == 0) {
-      if constexpr (kTmaStores) {
-        bulk_wait_all();
-        fence_proxy_async_global();
-      }
-      red_release_gpu_add(p.h_done + pending, 1);
-    }
+    land_stores<kTmaStores>(pending_regs, bar_id);
+    if ((threadIdx.x & 127) == 0) red_release_gpu_add(p.h_done + pending, 1);
     pending = -1;
     pending_regs = false;
   }
