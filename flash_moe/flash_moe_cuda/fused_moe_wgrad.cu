@@ -60,8 +60,9 @@ __global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const in
 // single B tile (K <= 128) every pair's second CTA would idle, so those calls run unpaired.
 // overlap: each tile's epilogue under wgmmas (wgrad::consume_overlapped). The gate/up wgrad is a
 // programmatic dependent launch after the down wgrad: the two touch disjoint memory, and what
-// both read was complete before the down wgrad started, so it needs no griddep_wait and fills
-// the SMs the down wgrad's last tiles leave idle.
+// both read was complete before the down wgrad started, so it waits for the down wgrad only at its
+// end (so that its completion implies the down wgrad's) and fills the SMs the down wgrad's last
+// tiles leave idle.
 template <wgrad::Kind kKind, bool kOverlap>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, cudaStream_t stream) {
   constexpr int kSmem = wgrad::Plan<kWgradStages>::kLaunchBytes;

@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_con
   else
     __syncthreads();
   // The gate/up wgrad after the down wgrad reads nothing this one writes: it may take each SM this
-  // one leaves (its launch is a programmatic dependent one, without griddep_wait).
+  // one leaves (a programmatic dependent launch, which waits for this grid only at its end).
   griddep_launch_dependents();
   // Registers as the forward's kernel: (168 - 56) x 128 >= (224 - 168) x 256.
   if (threadIdx.x < 128) {
@@ -492,6 +492,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_con
   }
   // No CTA of a pair leaves while its peer may still arrive on its barriers.
   if (kPaired) cluster_sync();
+  // This grid may finish before the down wgrad it was launched after: waiting for that one here
+  // (all of it is resident by now, and nothing else is left to run) makes this grid's completion
+  // imply the down wgrad's, so whatever follows in the stream or a captured graph sees grad_w2
+  // whole without relying on how a dependent grid's completion is ordered.
+  if constexpr (kKind == Kind::kGateUp) griddep_wait();
 }
 
 }  // namespace wgrad
