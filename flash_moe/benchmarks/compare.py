@@ -266,6 +266,18 @@ def op_alone_by(op_for, iters, keys=(1, 2)):
     return {k: round(min(v), 4) for k, v in times.items()}
 
 
+def backward_variants(words, timed):
+    """The variant keys of the backward's options `words` (of "overlap", "fold") that the
+    comma-separated `timed` (--backward-options) names, default first: with timed "bpc=2,fold",
+    ("fold",) gives ("bpc=1", "bpc=2", "bpc=1 fold", "bpc=2 fold"). Leaving an option out of
+    `timed` leaves it out of a run (one that fails its tests, say)."""
+    timed = set(timed.split(",")) - {""}
+    words = tuple(w for w in words if w in timed)
+    bpcs = (1, 2) if "bpc=2" in timed else (1,)
+    return tuple(" ".join((f"bpc={b}", *(w for w, on in zip(words, bits) if on)))
+                 for bits in itertools.product((False, True), repeat=len(words)) for b in bpcs)
+
+
 def moe_row(rows, op, impl, shape, ms, err, flop_factor=6, **extra):
     """Record and print one MoE row (docs/DESIGN.md §9 schema) of `shape` (T, K, I, E, top_k); its
     FLOPs are flop_factor * T * top_k * K * I (forward 6, backward 12, both 18); err None: a row that
@@ -489,9 +501,8 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
         flags = {"overlap": "overlap" in words, "fold_sum": "fold" in words}
         return {"bpc": int(words[0][4:]), **{k: flags[k] for k in keys}}
 
-    def variants_of(*words):  # ("bpc=1", "bpc=2", "bpc=1 fold", ...)
-        return tuple(" ".join((f"bpc={b}", *(w for w, on in zip(words, bits) if on)))
-                     for bits in itertools.product((False, True), repeat=len(words)) for b in (1, 2))
+    def variants_of(*words):
+        return backward_variants(words, args.backward_options)
 
     def dgrad_for(v):
         def call(i):
@@ -714,10 +725,16 @@ def main():
                     help="also run the fused_moe_mxfp8 and quantize_mxfp8 rows (default: on)")
     ap.add_argument("--backward-shapes", default="0,1,2,3,4",
                     help="BACKWARD_SHAPES indices to run the backward rows on ('' for none)")
+    ap.add_argument("--backward-options", default="bpc=2,overlap,fold",
+                    help="the backward's options timed beside its default (bpc=1, no overlap, no fold), "
+                         "comma-separated from bpc=2, overlap, fold; '' times the default alone")
     ap.add_argument("--sustained", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the matmul ceiling and our ops back to back with clock and power "
                          "sampling, recorded as `sustained` (default: on)")
     args = ap.parse_args()
+    unknown = set(args.backward_options.split(",")) - {"", "bpc=2", "overlap", "fold"}
+    if unknown:
+        ap.error(f"--backward-options: {sorted(unknown)} not among bpc=2, overlap, fold")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
