@@ -79,7 +79,7 @@ from bench_timing import ceilings, median_ms  # noqa: E402
 
 SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (8192, 4096, 1536, 128, 8),
           (8192, 7168, 2048, 256, 8), (1024, 2048, 768, 128, 8)]
-# The backward's shapes (docs/DESIGN.md §9; their targets are in flash_moe/DESIGN.md §8).
+# The backward's shapes (docs/DESIGN.md §9; their results and targets are in flash_moe/DESIGN.md §8.2).
 BACKWARD_SHAPES = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (32768, 4096, 1024, 64, 4),
                    (8192, 4096, 1536, 128, 8), (1024, 2048, 768, 128, 8)]
 GRADS = ("x", "w1", "w2", "w3", "topk_weights")

@@ -1,5 +1,5 @@
 // The top-k sum of grad_x folded into the gate/up dgrad (kGateUpDgrad launched with kFold;
-// flash_moe/DESIGN.md §8 (g)), instead of reduce_kernel after it:
+// flash_moe/DESIGN.md §8.4), instead of reduce_kernel after it:
 //
 //   grad_x[t, chunk] = sum over k ascending of dx[pos(t * top_k + k), chunk]   in fp32
 //

@@ -128,7 +128,7 @@ __host__ __device__ constexpr uint32_t full_arrivals() {
 // carries. Lane 0 reads the slot and broadcasts it because lane 0 is the thread that releases the
 // stage: its own arrive orders the read before the producer's next put. Racecheck credits an order
 // only through the reading thread's own arrive; with every lane reading it reported the next put
-// as a race (DESIGN.md §8).
+// as a race (DESIGN.md §8.1 (g)).
 template <int kStages>
 __device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const TileSlots& slots, uint32_t it) {
   const int s = it % kStages;

@@ -101,7 +101,7 @@ __device__ __forceinline__ Tile get_tile(uint32_t slot) {
 }
 // Consumers (whole warps): lane 0 reads the stage's tile slot and broadcasts it, lane 0 being the
 // thread that releases the stage; racecheck credits an order only through the reader's own arrive
-// (gemm::wait_tile, DESIGN.md §8).
+// (gemm::wait_tile, DESIGN.md §8.1 (g)).
 __device__ __forceinline__ Tile get_tile_lane0(uint32_t slot) {
   uint32_t v[8];
   ld_shared_x8_lane0(slot, v);
@@ -318,7 +318,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
 // The same tiles with each tile's epilogue under wgmmas (overlap = 1): block 0's boxes are
 // stored (into the warpgroup's own boxes) while block 1's last wgmmas run, and block 1's (over
 // its A blocks in the held stage) while the next tile's first block-0 wgmmas run. Without it the
-// tensor cores wait for all four boxes at every tile: about a stage per tile (DESIGN.md §8).
+// tensor cores wait for all four boxes at every tile: about a stage per tile (DESIGN.md §8.2).
 // Each block's k16 steps in the same order: the same sums, the same bits. `pending`: the tile
 // whose block 1 is still to be stored, before anything else touches acc1 or the held stage goes.
 //

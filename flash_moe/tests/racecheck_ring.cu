@@ -1,5 +1,5 @@
 // Which hand-offs compute-sanitizer's racecheck accepts through an mbarrier ring (flash_moe/DESIGN.md
-// §8, "Racecheck and the tile slot"; the reason wait_tile reads the tile slot in lane 0 only).
+// §8.1 (g); the reason wait_tile reads the tile slot in lane 0 only).
 // One producer thread writes slot[s] at a tile's first stage and arrives on full[s]; two consumer
 // groups of 4 warps wait full[s] and read slot[s], then release empty[s]:
 //   mode 0: bar.sync per group, then lane 0 of each warp arrives (8 arrivals; ordered per the PTX

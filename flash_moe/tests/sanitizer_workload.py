@@ -10,7 +10,7 @@ dgrad and the wgrads as CTA pairs, the wgrads with an idle CTA at K = 320; at K 
 unpaired), the wgrads with and without their epilogues under wgmmas (overlap), the dgrad with the
 top-k sum folded into its gate/up GEMM (fold_sum); -1 ids. The second shape has one k-block
 per tile (K = 64), and at I = 256 every tile starts in stage 0 (k-blocks a multiple of the stages),
-the case where racecheck once reported the tile-slot hand-off (flash_moe/DESIGN.md §8).
+the case where racecheck once reported the tile-slot hand-off (flash_moe/DESIGN.md §8.1 (g)).
 """
 
 import prime_kernels
