@@ -2,10 +2,10 @@
 // fused_moe_bf16_dgrad wrote (dA|dB and s*h by sorted position) and the token rows, in stream
 // order:
 //
-//   spans       per expert: its first m-block and the end of its live rows; per position its
-//               token (or -1)                                                      (here)
-//   GEMM kDown    grad_W2[e] = sum_p grad_out[tok(p)]^T (s h)[p]                    (moe_wgrad.cuh)
-//   GEMM kGateUp  grad_W1|W3[e] = sum_p (dA|dB)[p]^T x[tok(p)]
+//   spans              per expert: its first m-block and the end of its live rows; per
+//                      position its token (or -1)                                    (here)
+//   GEMM kDownWgrad    grad_W2[e] = sum_p grad_out[tok(p)]^T (s h)[p]               (moe_wgrad.cuh)
+//   GEMM kGateUpWgrad  grad_W1|W3[e] = sum_p (dA|dB)[p]^T x[tok(p)]
 //
 // No float atomics: each output tile is one CTA's, summed in position order, whatever bpc (CTA
 // pairs share the A operand's loads, not tiles).
@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const in
 template <wgrad::Kind kKind, bool kOverlap>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, cudaStream_t stream) {
   constexpr int kSmem = wgrad::Plan<kWgradStages>::kLaunchBytes;
-  constexpr bool kAfterPrevious = kKind == wgrad::Kind::kGateUp;
+  constexpr bool kAfterPrevious = kKind == wgrad::Kind::kGateUpWgrad;
   if (p.b_tiles < 2) bpc = 1;
   const int64_t claims = (int64_t)p.E * p.a_tiles * (bpc == 2 ? (p.b_tiles + 1) / 2 : p.b_tiles);
   if (bpc == 2)
@@ -123,7 +123,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p1.m_a = (int)a.I;
   p1.a_tiles = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p1.tile_counter = counters;
-  if ((err = launch_wgrad<wgrad::Kind::kDown>(down, p1, a.bpc, a.overlap, stream)) != cudaSuccess) return err;
+  if ((err = launch_wgrad<wgrad::Kind::kDownWgrad>(down, p1, a.bpc, a.overlap, stream)) != cudaSuccess) return err;
 
   wgrad::Params p2 = p;
   p2.b_rows = static_cast<const __nv_bfloat16*>(a.x);
@@ -131,7 +131,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p2.split = (int)a.I;
   p2.a_tiles = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p2.tile_counter = counters + 1;
-  return launch_wgrad<wgrad::Kind::kGateUp>(gate_up, p2, a.bpc, a.overlap, stream);
+  return launch_wgrad<wgrad::Kind::kGateUpWgrad>(gate_up, p2, a.bpc, a.overlap, stream);
 }
 
 }  // namespace flash_moe

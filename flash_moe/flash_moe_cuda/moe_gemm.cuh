@@ -1,5 +1,6 @@
-// The grouped GEMMs both fused MoE ops run twice per call (Hopper, sm_90a): the kernel, which
-// wires one producer and one consumer role per weight format. The roles, a header each:
+// The grouped GEMM kernel of the forward (gate/up, down) and the backward's data gradients
+// (kDownDgrad, kGateUpDgrad; Hopper, sm_90a): it wires one producer and one consumer role per
+// weight format. The roles, a header each:
 //
 //   moe_gemm_schedule.cuh        parameters; tiles claimed in order from a global counter
 //                                (TileOrder, claim_tile; claim_pair for CTA pairs) and handed
@@ -13,7 +14,15 @@
 //                                tokens as N (the tile's live rows, up to 144), fp32 accumulators
 //   moe_gemm_epilogue.cuh        bf16: SwiGLU, and the output boxes staged in shared memory
 //                                for TMA stores (stmatrix .trans)
+//   moe_gemm_epilogue_dgrad.cuh  kDownDgrad: the SwiGLU backward, score partials, r*h; the
+//                                forward's pre-activation store (training)
+//   moe_gemm_fold.cuh            kGateUpDgrad with fold_sum: grad_x's top-k sum by the
+//                                producer's idle warps
 //   moe_gemm_consumer_mxfp8.cuh  MXFP8: weights dequantized in registers, stores from registers
+//   moe_gemm_epilogue_mxfp8.cuh  MXFP8: its h and Y stores
+//
+// The weight gradients are a kernel of their own (moe_wgrad.cuh): both operands MN-major, the
+// token rows on wgmma's N side gathered per stage.
 //
 // Both formats put the weights on wgmma's M side and the tokens on N: tiles of 128 tokens x
 // 256 weight rows (128 gate + 128 up rows, or 256 output features) x 64. bf16

@@ -27,8 +27,9 @@ __device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v 
 // The forward's gate/up warpgroup cw stores its 64-feature group g = 2 nb + cw (acc0 gate, acc1
 // up) for the tile's 8-row groups below n. Groups past I (the last tile of an I that is not a
 // multiple of 128) are not stored.
-__device__ __forceinline__ void store_preact(const GemmParams& p, const Tile& tile, int n, const float (&acc0)[72],
-                                             const float (&acc1)[72], int cw, int w4, int lane) {
+__device__ __forceinline__ void store_preact(const GemmParams& p, const Tile& tile, int n,
+                                             const float (&acc0)[kMaxRows / 2], const float (&acc1)[kMaxRows / 2],
+                                             int cw, int w4, int lane) {
   const int g = 2 * tile.nb + cw;
   if (64 * g >= p.n_out) return;
 #pragma unroll
@@ -85,8 +86,9 @@ constexpr int kDgradStoreRows = 32;
 // one load latency per tile rather than one per pass. The score partials are per warp and per
 // block: part[((nb * 2 + cw) * 2 + b) * 4 + w4][position].
 __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const Tile& tile, int n,
-                                                      const float (&acc0)[72], const float (&acc1)[72], int cw, int w4,
-                                                      int lane, uint32_t wt, const DgradBoxes& boxes) {
+                                                      const float (&acc0)[kMaxRows / 2],
+                                                      const float (&acc1)[kMaxRows / 2], int cw, int w4, int lane,
+                                                      uint32_t wt, const DgradBoxes& boxes) {
   constexpr uint32_t kHalfBytes = kDgradStoreRows * 128;
   const int q = threadIdx.x & 127;
   const int g0 = 4 * tile.nb + 2 * cw;  // the 64-feature group of block 0

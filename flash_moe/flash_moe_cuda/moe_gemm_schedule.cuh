@@ -157,6 +157,7 @@ constexpr int kIdle = 2;
 // too (it gets no tiles of its own). Computed on its own, such a tail cost 81-86 % of a full
 // tile (flash_moe/DESIGN.md §5).
 constexpr int kMaxRows = kBlockM + 16;
+static_assert(kMaxRows / 2 == sm90::kWgmmaAccRegs, "a tile's accumulators are the wgmma wrapper's arrays");
 constexpr int kTailRows = 2 * (kMaxRows - kBlockM);
 
 // The work of CTA pairs as a list of units in m-block order, ceil(num_n / 2) claims each (so no

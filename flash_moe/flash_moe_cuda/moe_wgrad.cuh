@@ -1,8 +1,8 @@
 // The backward's weight gradients (Hopper, sm_90a): for each expert e, a GEMM whose reduction
 // runs over the expert's sorted positions p (a variable count, no padding to a fixed size):
 //
-//   kDown    grad_W2[e] (K, I)     = sum_p grad_out[tok(p)]^T (s h)[p]
-//   kGateUp  grad_W1|W3[e] (I, K)  = sum_p (dA|dB)[p]^T x[tok(p)]
+//   kDownWgrad    grad_W2[e] (K, I)     = sum_p grad_out[tok(p)]^T (s h)[p]
+//   kGateUpWgrad  grad_W1|W3[e] (I, K)  = sum_p (dA|dB)[p]^T x[tok(p)]
 //
 // One CTA computes an output tile from its first position to its last, in order, and stores it
 // once: no split over p, no atomics, bit-identical run to run. An expert without rows gets zeros.
@@ -20,7 +20,7 @@
 // tile's 256 A features, two m64 blocks each, N = 128). Each tile takes ceil(rows / 64) stages,
 // or one (carrying no data) for an expert without rows, so the stage counter is carried from
 // tile to tile. Epilogue: 64 x 64 bf16 boxes staged in the tile's last stage and two 8 KB boxes per
-// warpgroup, stored by TMA (kDown transposed: grad_W2's rows are B's features).
+// warpgroup, stored by TMA (kDownWgrad transposed: grad_W2's rows are B's features).
 //
 // CTA pairs (kPaired, bpc = 2): the two CTAs of a cluster take B tiles 2j and 2j + 1 of one
 // (expert, A tile), so they reduce over the same rows in step, and each TMA-multicasts two of a
@@ -39,7 +39,7 @@ using gemm::kBK;
 using gemm::kEpilogueBarrier;
 using gemm::kProducerBarrier;
 
-enum class Kind { kDown, kGateUp };
+enum class Kind { kDownWgrad, kGateUpWgrad };
 
 constexpr int kTileM = 256;                    // A features per tile (2 warpgroups x 2 m64 blocks)
 constexpr int kTileN = 128;                    // B features per tile (wgmma N)
@@ -51,18 +51,18 @@ constexpr int kRowsPerGather = kBK * (kTileN / 8) / kGatherers;  // rows a gathe
 struct Params {
   const int32_t* token;          // (L,) per sorted position: the slot's token, or -1 for padding
   int E;
-  const __nv_bfloat16* b_rows;   // (M, n_b) token rows B gathers: grad_out (kDown) or x (kGateUp)
+  const __nv_bfloat16* b_rows;   // (M, n_b) token rows B gathers: grad_out (kDownWgrad), x (kGateUpWgrad)
   int n_b;                       // K
-  int m_a;                       // A's columns: I (kDown) or 2I (kGateUp)
-  int split;                     // kGateUp: A columns from `split` (= I) are grad_W3's rows
+  int m_a;                       // A's columns: I (kDownWgrad) or 2I (kGateUpWgrad)
+  int split;                     // kGateUpWgrad: A columns from `split` (= I) are grad_W3's rows
   int a_tiles, b_tiles;          // tiles per expert along A's and B's features
   const int32_t* span;           // per expert: [2e] INT_MAX - first m-block (0: none), [2e+1] end of live rows
   int* tile_counter;             // zero before the launch
 };
 struct Maps {
   CUtensorMap a;     // (L, m_a) bf16 rows, 64 x 64 boxes
-  CUtensorMap out;   // kDown: grad_W2 (E, K, I); kGateUp: grad_W1 (E, I, K); 64 x 64 boxes
-  CUtensorMap out2;  // kGateUp: grad_W3 (E, I, K)
+  CUtensorMap out;   // kDownWgrad: grad_W2 (E, K, I); kGateUpWgrad: grad_W1 (E, I, K); 64 x 64 boxes
+  CUtensorMap out2;  // kGateUpWgrad: grad_W3 (E, I, K)
 };
 
 template <int kStages>
@@ -232,7 +232,7 @@ __device__ __forceinline__ void issue_box_store(const Maps& tm, const Params& p,
                                                 uint32_t box, int block, int tb, bool store = true) {
   const int fa = kTileM * tile.a_tile + 128 * cw + 64 * block, fb = kTileN * tile.b_tile + 64 * tb;
   if (store && fa < p.m_a && fb < p.n_b) {
-    if constexpr (kKind == Kind::kDown)
+    if constexpr (kKind == Kind::kDownWgrad)
       tma_store_3d(&tm.out, box, fa, fb, tile.e);  // grad_W2[e][fb..][fa..]
     else if (fa < p.split)
       tma_store_3d(&tm.out, box, fb, fa, tile.e);  // grad_W1[e][fa..][fb..]
@@ -246,11 +246,11 @@ __device__ __forceinline__ void issue_box_store(const Maps& tm, const Params& p,
 // stored by TMA.
 template <Kind kKind>
 __device__ __forceinline__ void store_box(const Maps& tm, const Params& p, const gemm::ConsumerThread& me,
-                                          const Tile& tile, uint32_t boxes, int block, int tb, const float (&acc)[72],
-                                          bool store = true) {
+                                          const Tile& tile, uint32_t boxes, int block, int tb,
+                                          const float (&acc)[kWgmmaAccRegs], bool store = true) {
   const int cw = me.cw, w4 = me.w4, lane = me.lane;
   const uint32_t box = boxes + tb * kBoxBytes;
-  gemm::put_box<kKind == Kind::kDown>(box, tb, w4, lane, [&](int a) { return acc[a]; });
+  gemm::put_box<kKind == Kind::kDownWgrad>(box, tb, w4, lane, [&](int a) { return acc[a]; });
   fence_proxy_async_shared();
   named_barrier_sync(kEpilogueBarrier + cw, 128);
   if ((threadIdx.x & 127) == 0) issue_box_store<kKind>(tm, p, cw, tile, box, block, tb, store);
@@ -264,7 +264,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
   using P = Plan<kStages>;
   const gemm::ConsumerThread me;
   const int cw = me.cw, lane = me.lane, q = threadIdx.x & 127;
-  float acc0[72], acc1[72];
+  float acc0[kWgmmaAccRegs], acc1[kWgmmaAccRegs];  // the wrapper's arrays; N = kTileN fills 64
   gemm::zero_fill(acc0);
   gemm::zero_fill(acc1);
   uint32_t it = 0;
@@ -332,7 +332,7 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
   using P = Plan<kStages>;
   const gemm::ConsumerThread me;
   const int cw = me.cw, lane = me.lane;
-  float acc0[72], acc1[72];
+  float acc0[kWgmmaAccRegs], acc1[kWgmmaAccRegs];
   gemm::zero_fill(acc0);
   gemm::zero_fill(acc1);
   uint32_t it = 0;
@@ -345,7 +345,7 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
   const auto put_pending = [&] {
 #pragma unroll
     for (int tb = 0; tb < 2; ++tb)
-      gemm::put_box<kKind == Kind::kDown>(pending_boxes() + tb * kBoxBytes, tb, me.w4, lane,
+      gemm::put_box<kKind == Kind::kDownWgrad>(pending_boxes() + tb * kBoxBytes, tb, me.w4, lane,
                                           [&](int a) { return acc1[a]; });
     fence_proxy_async_shared();
     named_barrier_sync(kEpilogueBarrier + cw, 128);
@@ -369,7 +369,7 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
   };
   // One k-block's wgmmas: a commit group of both blocks, interleaved (mma_both), or one group
   // per block (mma_block); a k16 step is 16 rows of 128 bytes.
-  const auto mma = [&](float(&acc)[72], uint32_t stage, int block, bool first, int kk) {
+  const auto mma = [&](float(&acc)[kWgmmaAccRegs], uint32_t stage, int block, bool first, int kk) {
     const uint32_t a = stage + (2 * cw + block) * kBoxBytes, b = stage + P::kABytes;
     wgmma_ss_bf16<kTileN, true, true>(acc, make_desc_sw128_mn(a + kk * 2048), make_desc_sw128_mn(b + kk * 2048),
                                       (!first || kk > 0) ? 1 : 0);
@@ -380,7 +380,7 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
     for (int kk = 0; kk < kBK / 16; ++kk) mma(acc0, stage, 0, first, kk), mma(acc1, stage, 1, first, kk);
     wgmma_commit();
   };
-  const auto mma_block = [&](float(&acc)[72], uint32_t stage, int block, bool first) {
+  const auto mma_block = [&](float(&acc)[kWgmmaAccRegs], uint32_t stage, int block, bool first) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) mma(acc, stage, block, first, kk);
@@ -496,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_con
   // (all of it is resident by now, and nothing else is left to run) makes this grid's completion
   // imply the down wgrad's, so whatever follows in the stream or a captured graph sees grad_w2
   // whole without relying on how a dependent grid's completion is ordered.
-  if constexpr (kKind == Kind::kGateUp) griddep_wait();
+  if constexpr (kKind == Kind::kGateUpWgrad) griddep_wait();
 }
 
 }  // namespace wgrad

@@ -348,13 +348,16 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], uint64_t d
 // kTransA: A is M-major (imm-trans-a = 1): the backward's weight operands, whose M index (the
 // output feature) is the contiguous one in memory (make_desc_sw128_mn). kTransB: B is N-major
 // (imm-trans-b = 1): the weight gradients' token rows, features contiguous.
+// The accumulator array every wgmma_ss_bf16 takes: N = 144 (the widest tile) needs all 72.
+constexpr int kWgmmaAccRegs = 72;
 #define FM_WGMMA_SS(N, REGS)                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"                                      \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS "}, %72, %73, p, 1, 1, %75, %76;\n}\n" \
                : FM_WGMMA_ACC72                                                                     \
                : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0))
 template <int kN, bool kTransA = false, bool kTransB = false>
-__device__ __forceinline__ void wgmma_ss_bf16(float (&d)[72], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+__device__ __forceinline__ void wgmma_ss_bf16(float (&d)[kWgmmaAccRegs], uint64_t desc_a, uint64_t desc_b,
+                                              int scale_d) {
   static_assert(kN % 8 == 0 && kN >= 8 && kN <= 144, "wgmma_ss_bf16: N = 8, 16, .., 144");
   if constexpr (kN == 8)
     FM_WGMMA_SS(8, FM_RL4);
