@@ -81,7 +81,7 @@ struct FusedMoeBf16Args {
   int64_t L;                 // sorted_ids length
   int top_k;
   int stages;
-  int bpc;                   // m-blocks per cluster: 1, or 2 (CTA pairs sharing weight loads)
+  int bpc;                   // CTAs per cluster: 1, or 2 (CTA pairs sharing weight loads)
   bool split;                // true: out = result; false: out += result
   void* workspace;           // fused_moe_bf16_workspace_bytes(...) bytes, 256-byte aligned
   // Training: the gate/up pre-activations for fused_moe_bf16_dgrad (preact_bytes(L, I) bytes,
@@ -99,7 +99,9 @@ constexpr int64_t preact_bytes(int64_t L, int64_t I) { return 2 * L * I * 2; }
 // The backward's data gradients, given grad_out and what fused_moe_bf16 saved (preact, with the
 // same routing buffers): the SwiGLU-backward GEMM (dh = grad_out[tok] @ W2[e], then dA|dB, s*h
 // and the score gradient), the input-gradient GEMM (dx slots = dA|dB @ W[e]) and the top-k sum
-// of those slots. I must be a multiple of 64. No atomics on floats: bit-identical run to run.
+// of those slots. I must be a multiple of 64, K a positive multiple of 8, L moe_align's length
+// (is_routing_length); otherwise cudaErrorInvalidValue before anything runs. No atomics on
+// floats: bit-identical run to run.
 struct FusedMoeBf16DgradArgs {
   const void* grad_out;       // (M, K) bf16
   const void* w1;             // (E, I, K) bf16 gate rows
@@ -116,7 +118,7 @@ struct FusedMoeBf16DgradArgs {
   float* score;               // (M * top_k,) fp32: dL/d topk_weights (0 for a dropped slot)
   int64_t M, K, I, E, L;
   int top_k;
-  int bpc = 1;                // the gate/up dgrad's m-blocks per cluster: 1, or 2 (CTA pairs)
+  int bpc = 1;                // the gate/up dgrad's CTAs per cluster: 1, or 2 (CTA pairs)
   bool fold_sum = false;      // grad_x summed inside the gate/up dgrad, not by a reduce after it (same bits)
   void* workspace;            // fused_moe_bf16_dgrad_workspace_bytes(...) bytes, 256-byte aligned
 };
@@ -169,7 +171,7 @@ struct FusedMoeMxfp8Args {
   int64_t M, K, I, E, L;
   int top_k;
   int stages;                  // kMxfp8Stages
-  int bpc;                     // m-blocks per cluster: 1, or 2 (CTA pairs sharing weight loads)
+  int bpc;                     // CTAs per cluster: 1, or 2 (CTA pairs sharing weight loads)
   bool split;
   bool f16_window = true;      // false: always the general (bf16-operand) gate/up GEMM
   void* workspace;             // fused_moe_mxfp8_workspace_bytes(...) bytes, 256-byte aligned

@@ -135,45 +135,44 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   if (err == cudaSuccess)
     err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, ws.n_slots, a.E, ws.inv, ws.block_live, stream);
   if (err != cudaSuccess) return err;
-  if (a.L > 0) {
-    gemm::Bf16Maps gate_up{}, down{};  // the gate/up GEMM gathers its tokens: no token maps
-    const uint32_t kTailBox = gemm::kMaxRows - gemm::kBM, kRowsBox = gemm::kStoreRows;
-    // The gate rows (w1) and the up rows (w3) through maps of their own: the two halves of w, or
-    // two tensors, so a caller holding w1 and w3 need not concatenate them (a copy of all the
-    // gate/up weights per call).
-    const void* w3 = a.w3 ? a.w3 : static_cast<const __nv_bfloat16*>(a.w) + a.I * a.K;
-    const int64_t expert_stride = a.w3 ? a.I * a.K : 2 * a.I * a.K;
-    if (!make_tmap(&gate_up.weights, host::expert_rows(a.w, a.E, a.I, a.K, expert_stride), false) ||
-        !make_tmap(&gate_up.weights2, host::expert_rows(w3, a.E, a.I, a.K, expert_stride), false) ||
-        !make_tmap(&gate_up.out, host::out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
-        !make_tmap(&gate_up.out_rows, host::out_rows(ws.h, a.L, a.I), false, kRowsBox) ||
-        !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
-        !make_tmap(&down.tokens_tail, host::h_rows(ws.h, a.L, a.I), false, kTailBox) ||
-        !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
-        !make_tmap(&down.out, host::out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows) ||
-        !make_tmap(&down.out_rows, host::out_rows(ws.Y, a.L, a.K), false, kRowsBox))
-      return cudaErrorInvalidValue;
-    GemmParams p1, p2;
-    make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
-                a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    p1.gate_up.preact = static_cast<uint4*>(a.preact);
-    // pipeline depth x CTA pairs: the four kernel pairs
-    const auto gemms = [&](auto paired) {
-      constexpr bool kPaired = decltype(paired)::value;
-      return a.stages == 4 ? launch_bf16_gemms<4, kPaired>(gate_up, down, p1, p2, stream)
-                           : launch_bf16_gemms<3, kPaired>(gate_up, down, p1, p2, stream);
-    };
-    // CTA pairs split their experts' rows evenly and carry short tails (pair_units_kernel reads
-    // inverse_kernel's live rows per block for that).
-    if (a.bpc == 2) err = plan_pairs(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, true);
-    if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
-    if (err != cudaSuccess) return err;
-  }
+  gemm::Bf16Maps gate_up{}, down{};  // the gate/up GEMM gathers its tokens: no token maps
+  const uint32_t kTailBox = gemm::kMaxRows - gemm::kBM, kRowsBox = gemm::kStoreRows;
+  // The gate rows (w1) and the up rows (w3) through maps of their own: the two halves of w, or
+  // two tensors, so a caller holding w1 and w3 need not concatenate them (a copy of all the
+  // gate/up weights per call).
+  const void* w3 = a.w3 ? a.w3 : static_cast<const __nv_bfloat16*>(a.w) + a.I * a.K;
+  const int64_t expert_stride = a.w3 ? a.I * a.K : 2 * a.I * a.K;
+  if (!make_tmap(&gate_up.weights, host::expert_rows(a.w, a.E, a.I, a.K, expert_stride), false) ||
+      !make_tmap(&gate_up.weights2, host::expert_rows(w3, a.E, a.I, a.K, expert_stride), false) ||
+      !make_tmap(&gate_up.out, host::out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
+      !make_tmap(&gate_up.out_rows, host::out_rows(ws.h, a.L, a.I), false, kRowsBox) ||
+      !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
+      !make_tmap(&down.tokens_tail, host::h_rows(ws.h, a.L, a.I), false, kTailBox) ||
+      !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
+      !make_tmap(&down.out, host::out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows) ||
+      !make_tmap(&down.out_rows, host::out_rows(ws.Y, a.L, a.K), false, kRowsBox))
+    return cudaErrorInvalidValue;
+  GemmParams p1, p2;
+  make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
+              a.K, a.I, a.E, a.L, a.top_k, p1, p2);
+  p1.gate_up.preact = static_cast<uint4*>(a.preact);
+  // pipeline depth x CTA pairs: the four kernel pairs
+  const auto gemms = [&](auto paired) {
+    constexpr bool kPaired = decltype(paired)::value;
+    return a.stages == 4 ? launch_bf16_gemms<4, kPaired>(gate_up, down, p1, p2, stream)
+                         : launch_bf16_gemms<3, kPaired>(gate_up, down, p1, p2, stream);
+  };
+  // CTA pairs split their experts' rows evenly and carry short tails (pair_units_kernel reads
+  // inverse_kernel's live rows per block for that).
+  if (a.bpc == 2) err = plan_pairs(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, true);
+  if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
+  if (err != cudaSuccess) return err;
   return topk_sum(ws.Y, ws.inv, a.out, a.M, a.K, a.top_k, a.split, stream);
 }
 
 cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
-  if (a.stages != kMxfp8Stages || a.K % 64 != 0 || a.I % 64 != 0 || (a.bpc != 1 && a.bpc != 2))
+  if (a.stages != kMxfp8Stages || a.K % 64 != 0 || a.I % 64 != 0 || (a.bpc != 1 && a.bpc != 2) ||
+      !is_routing_length(a.L))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, a.E * 2 * a.I);
@@ -181,44 +180,42 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
   if (err == cudaSuccess)
     err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, ws.n_slots, a.E, ws.inv, ws.block_live, stream);
   if (err != cudaSuccess) return err;
-  if (a.L > 0) {
-    // Which gate/up GEMM runs: f16 operands if every row fits the scale window (mx::kWindow).
-    // Then x, read top_k times by the gather, is dequantized once (M*K*3 bytes, ~1% of the op)
-    // to f16 or bf16 accordingly.
-    // The scan reads w_scales as one (E*2I, K/32) matrix: the same bytes as the per-expert
-    // packing, since 2I is a multiple of 128 (I % 64 == 0).
-    err = mxfp8_scale_window(static_cast<const uint8_t*>(a.w), a.w_scales, a.E * 2 * a.I,
-                             static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, !a.f16_window, ws.w_top,
-                             ws.x_top, ws.window_misfit, stream);
-    if (err == cudaSuccess)
-      err = dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x16, ws.x_top,
-                                          ws.window_misfit, stream);
-    if (err != cudaSuccess) return err;
-    gemm::Mxfp8Maps gate_up{}, down{};
-    if (!make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
-        !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
-        !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 1), true))
-      return cudaErrorInvalidValue;
-    GemmParams p1, p2;
-    make_params(static_cast<const __nv_bfloat16*>(ws.x16), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws,
-                a.M, a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-    p1.mx.b_scales = a.w_scales;
-    p1.mx.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
-    p1.mx.scale_rows = (int)mxfp8_blocked_rows(2 * a.I);
-    p1.mx.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(2 * a.I));
-    p1.mx.window_misfit = ws.window_misfit;
-    p1.mx.w_top = ws.w_top;
-    p1.mx.x_top = ws.x_top;
-    p2.mx.b_scales = a.w2_scales;
-    p2.mx.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
-    p2.mx.scale_rows = (int)mxfp8_blocked_rows(a.K);
-    p2.mx.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(a.K));
-    if (a.bpc == 2) err = plan_pairs(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, false);
-    if (err == cudaSuccess)
-      err = a.bpc == 2 ? launch_mxfp8_gemms<true>(gate_up, down, p1, p2, stream)
-                       : launch_mxfp8_gemms<false>(gate_up, down, p1, p2, stream);
-    if (err != cudaSuccess) return err;
-  }
+  // Which gate/up GEMM runs: f16 operands if every row fits the scale window (mx::kWindow).
+  // Then x, read top_k times by the gather, is dequantized once (M*K*3 bytes, ~1% of the op)
+  // to f16 or bf16 accordingly.
+  // The scan reads w_scales as one (E*2I, K/32) matrix: the same bytes as the per-expert
+  // packing, since 2I is a multiple of 128 (I % 64 == 0).
+  err = mxfp8_scale_window(static_cast<const uint8_t*>(a.w), a.w_scales, a.E * 2 * a.I,
+                           static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, !a.f16_window, ws.w_top,
+                           ws.x_top, ws.window_misfit, stream);
+  if (err == cudaSuccess)
+    err = dequantize_mxfp8_k64_permuted(static_cast<const uint8_t*>(a.x), a.x_scales, a.M, a.K, ws.x16, ws.x_top,
+                                        ws.window_misfit, stream);
+  if (err != cudaSuccess) return err;
+  gemm::Mxfp8Maps gate_up{}, down{};
+  if (!make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
+      !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
+      !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 1), true))
+    return cudaErrorInvalidValue;
+  GemmParams p1, p2;
+  make_params(static_cast<const __nv_bfloat16*>(ws.x16), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws,
+              a.M, a.K, a.I, a.E, a.L, a.top_k, p1, p2);
+  p1.mx.b_scales = a.w_scales;
+  p1.mx.scale_col_groups = (int)mxfp8_scale_col_groups(a.K / kMxfp8ScaleBlock);
+  p1.mx.scale_rows = (int)mxfp8_blocked_rows(2 * a.I);
+  p1.mx.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(2 * a.I));
+  p1.mx.window_misfit = ws.window_misfit;
+  p1.mx.w_top = ws.w_top;
+  p1.mx.x_top = ws.x_top;
+  p2.mx.b_scales = a.w2_scales;
+  p2.mx.scale_col_groups = (int)mxfp8_scale_col_groups(a.I / kMxfp8ScaleBlock);
+  p2.mx.scale_rows = (int)mxfp8_blocked_rows(a.K);
+  p2.mx.scale_row_groups = (int)(a.E * mxfp8_scale_row_groups(a.K));
+  if (a.bpc == 2) err = plan_pairs(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, false);
+  if (err == cudaSuccess)
+    err = a.bpc == 2 ? launch_mxfp8_gemms<true>(gate_up, down, p1, p2, stream)
+                     : launch_mxfp8_gemms<false>(gate_up, down, p1, p2, stream);
+  if (err != cudaSuccess) return err;
   return topk_sum(ws.Y, ws.inv, a.out, a.M, a.K, a.top_k, a.split, stream);
 }
 

@@ -117,7 +117,10 @@ size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int
 }
 
 cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t stream) {
-  if (a.I % 64 != 0 || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L)) return cudaErrorInvalidValue;
+  // The binding's rules, restated for direct callers (score_sum_kernel's grad_x zeroing stores
+  // 8 features at a time, before the tensor maps would refuse K).
+  if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L))
+    return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   using R = DgradWorkspace;
   const R layout(a.M, a.K, a.I, a.L, a.top_k);
@@ -138,80 +141,75 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, inv, block_live, stream);
   if (err != cudaSuccess) return err;
 
-  if (a.L > 0) {
-    using host::make_tmap;
-    constexpr auto kW = gemm::Weights::kBf16;
-    const int smem = gemm::StagePlan<kW, kDgradStages>::kLaunchBytes;
-    const uint32_t kRowsBox = gemm::kStoreRows, kMnBox = 64;
-    // GEMM1: grad_out rows gathered (no token maps), w2 M-major; dA|dB and s*h out.
-    gemm::Bf16Maps down{};
-    if (!make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false, kMnBox) ||
-        !make_tmap(&down.out, host::out_rows(a.dab, a.L, 2 * a.I), false, gemm::kDgradStoreRows) ||
-        !make_tmap(&down.out2, host::out_rows(a.sh, a.L, a.I), false, gemm::kDgradStoreRows))
-      return cudaErrorInvalidValue;
-    GemmParams p1 = base_params(a, counters);
-    p1.out = static_cast<__nv_bfloat16*>(a.dab);
-    p1.ldo = 2 * a.I;
-    p1.K = (int)a.K;
-    p1.n_out = (int)a.I;
-    p1.num_n = (int)((a.I + 255) / 256);
-    p1.tile_counter = counters;
-    p1.gate_up.x = static_cast<const __nv_bfloat16*>(a.grad_out);
-    p1.gate_up.lda = a.K;
-    p1.gate_up.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
-    p1.down.topk_weights = a.topk_weights;
-    p1.dgrad.score_part = part;
-    err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
-                                  false, stream);
-    if (err != cudaSuccess) return err;
-    const int64_t items = n_slots > a.L ? n_slots : a.L;  // positions, slots (and tokens, fewer than slots)
-    const int grid = heuristics::capped_grid(items, kPositionThreads, kPositionCtasPerSm);
-    // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
-    // written, and the sum stops before them.
-    const FoldPrep prep{a.fold_sum ? fold_count : nullptr, static_cast<__nv_bfloat16*>(a.grad_x), a.M, a.K, a.top_k,
-                        (int)R::fold_chunks(a.K)};
-    score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(part, a.sorted_ids, inv, n_slots, a.L, (int)(a.I / 16),
-                                                             a.score, prep);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  using host::make_tmap;
+  constexpr auto kW = gemm::Weights::kBf16;
+  const int smem = gemm::StagePlan<kW, kDgradStages>::kLaunchBytes;
+  const uint32_t kRowsBox = gemm::kStoreRows, kMnBox = 64;
+  // GEMM1: grad_out rows gathered (no token maps), w2 M-major; dA|dB and s*h out.
+  gemm::Bf16Maps down{};
+  if (!make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false, kMnBox) ||
+      !make_tmap(&down.out, host::out_rows(a.dab, a.L, 2 * a.I), false, gemm::kDgradStoreRows) ||
+      !make_tmap(&down.out2, host::out_rows(a.sh, a.L, a.I), false, gemm::kDgradStoreRows))
+    return cudaErrorInvalidValue;
+  GemmParams p1 = base_params(a, counters);
+  p1.out = static_cast<__nv_bfloat16*>(a.dab);
+  p1.ldo = 2 * a.I;
+  p1.K = (int)a.K;
+  p1.n_out = (int)a.I;
+  p1.num_n = (int)((a.I + 255) / 256);
+  p1.tile_counter = counters;
+  p1.gate_up.x = static_cast<const __nv_bfloat16*>(a.grad_out);
+  p1.gate_up.lda = a.K;
+  p1.gate_up.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
+  p1.down.topk_weights = a.topk_weights;
+  p1.dgrad.score_part = part;
+  err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
+                                false, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t items = n_slots > a.L ? n_slots : a.L;  // positions, slots (and tokens, fewer than slots)
+  const int grid = heuristics::capped_grid(items, kPositionThreads, kPositionCtasPerSm);
+  // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
+  // written, and the sum stops before them.
+  const FoldPrep prep{a.fold_sum ? fold_count : nullptr, static_cast<__nv_bfloat16*>(a.grad_x), a.M, a.K, a.top_k,
+                      (int)R::fold_chunks(a.K)};
+  score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(part, a.sorted_ids, inv, n_slots, a.L, (int)(a.I / 16),
+                                                           a.score, prep);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-    // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
-    gemm::Bf16Maps gate_up{};
-    if (!make_tmap(&gate_up.tokens, host::h_rows(a.dab, a.L, 2 * a.I), false) ||
-        !make_tmap(&gate_up.tokens_tail, host::h_rows(a.dab, a.L, 2 * a.I), false, gemm::kMaxRows - gemm::kBM) ||
-        !make_tmap(&gate_up.weights, host::expert_rows(a.w1, a.E, a.I, a.K), false, kMnBox) ||
-        !make_tmap(&gate_up.weights2, host::expert_rows(a.w3, a.E, a.I, a.K), false, kMnBox) ||
-        !make_tmap(&gate_up.out, host::out_rows(dx, a.L, a.K), false, host::kStoreBoxRows) ||
-        !make_tmap(&gate_up.out_rows, host::out_rows(dx, a.L, a.K), false, kRowsBox))
-      return cudaErrorInvalidValue;
-    GemmParams p2 = base_params(a, counters);
-    p2.out = dx;
-    p2.ldo = a.K;
-    p2.K = (int)(2 * a.I);
-    p2.n_out = (int)a.K;
-    p2.num_n = (int)((a.K + 255) / 256);
-    p2.tile_counter = counters + 1;
-    p2.b_second = (int)a.I;  // reduction rows I.. are w3's
-    p2.down = {nullptr, 0};
-    if (a.bpc == 2) {  // units as the bf16 forward's: each pair of blocks split by live rows (block_live)
-      p2.pairs = {units, num_units};
-      if ((err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, block_live, units, num_units, stream)) != cudaSuccess)
-        return err;
-    }
-    if (a.fold_sum) p2.fold = {fold_count, inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
-    const auto launch_gate_up = [&](auto paired, auto fold) {
-      constexpr bool kPaired = decltype(paired)::value, kFold = decltype(fold)::value;
-      return host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, kPaired, kFold>,
-                                     smem, gate_up, p2, false, kPaired, stream);
-    };
-    using std::false_type, std::true_type;
-    err = a.bpc == 2 ? (a.fold_sum ? launch_gate_up(true_type{}, true_type{}) : launch_gate_up(true_type{}, false_type{}))
-                     : (a.fold_sum ? launch_gate_up(false_type{}, true_type{})
-                                   : launch_gate_up(false_type{}, false_type{}));
-    if (err != cudaSuccess || a.fold_sum) return err;  // folded: grad_x is summed already
-  } else {  // no positions: grad_x is zero (the reduce writes it so), and so is the score
-    cudaError_t e = cudaMemsetAsync(a.score, 0, (size_t)n_slots * 4, stream);
-    if (e != cudaSuccess) return e;
+  // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
+  gemm::Bf16Maps gate_up{};
+  if (!make_tmap(&gate_up.tokens, host::h_rows(a.dab, a.L, 2 * a.I), false) ||
+      !make_tmap(&gate_up.tokens_tail, host::h_rows(a.dab, a.L, 2 * a.I), false, gemm::kMaxRows - gemm::kBM) ||
+      !make_tmap(&gate_up.weights, host::expert_rows(a.w1, a.E, a.I, a.K), false, kMnBox) ||
+      !make_tmap(&gate_up.weights2, host::expert_rows(a.w3, a.E, a.I, a.K), false, kMnBox) ||
+      !make_tmap(&gate_up.out, host::out_rows(dx, a.L, a.K), false, host::kStoreBoxRows) ||
+      !make_tmap(&gate_up.out_rows, host::out_rows(dx, a.L, a.K), false, kRowsBox))
+    return cudaErrorInvalidValue;
+  GemmParams p2 = base_params(a, counters);
+  p2.out = dx;
+  p2.ldo = a.K;
+  p2.K = (int)(2 * a.I);
+  p2.n_out = (int)a.K;
+  p2.num_n = (int)((a.K + 255) / 256);
+  p2.tile_counter = counters + 1;
+  p2.b_second = (int)a.I;  // reduction rows I.. are w3's
+  p2.down = {nullptr, 0};
+  if (a.bpc == 2) {  // units as the bf16 forward's: each pair of blocks split by live rows (block_live)
+    p2.pairs = {units, num_units};
+    if ((err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, block_live, units, num_units, stream)) != cudaSuccess)
+      return err;
   }
+  if (a.fold_sum) p2.fold = {fold_count, inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
+  const auto launch_gate_up = [&](auto paired, auto fold) {
+    constexpr bool kPaired = decltype(paired)::value, kFold = decltype(fold)::value;
+    return host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, kPaired, kFold>,
+                                   smem, gate_up, p2, false, kPaired, stream);
+  };
+  using std::false_type, std::true_type;
+  err = a.bpc == 2 ? (a.fold_sum ? launch_gate_up(true_type{}, true_type{}) : launch_gate_up(true_type{}, false_type{}))
+                   : (a.fold_sum ? launch_gate_up(false_type{}, true_type{})
+                                 : launch_gate_up(false_type{}, false_type{}));
+  if (err != cudaSuccess || a.fold_sum) return err;  // folded: grad_x is summed already
   return topk_sum(dx, inv, a.grad_x, a.M, a.K, a.top_k, true, stream);
 }
 

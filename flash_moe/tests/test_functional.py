@@ -10,6 +10,7 @@ import kernel_package
 import pytest
 import torch
 import torch.nn.functional as F
+from error_measure import rel_err
 
 MEMBER_DIR = pathlib.Path(__file__).resolve().parents[1]
 
@@ -25,10 +26,6 @@ def functional(reference):
         quantize_mxfp8=unused,
         fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
         preact_numel=lambda L, I: 2 * L * I)
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _problem(M, K, I, E, top_k, drop, seed):
@@ -51,7 +48,7 @@ def _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out):
     out.backward(grad_out.double())
     for name, got, leaf, src in zip(("x", "w1", "w2", "w3", "topk_weights"), grads, leaves, (x, w1, w2, w3, scores)):
         assert got.dtype == src.dtype and got.shape == src.shape, name
-        assert _rel(got, leaf.grad) < 2e-2, (name, _rel(got, leaf.grad))
+        assert rel_err(got, leaf.grad) < 2e-2, (name, rel_err(got, leaf.grad))
     dropped = ids < 0
     assert torch.equal(grads[4][dropped], torch.zeros_like(grads[4][dropped]))
 
@@ -106,7 +103,7 @@ def test_moe_picks_its_backward_and_matches_fp64_autograd(functional, reference,
     _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
     want = reference.moe_fp32(x.double(), torch.cat([w1, w3], 1).double(), w2.double(), ids.to(torch.int32),
                               scores.double(), dtype=torch.float64)
-    assert out.dtype == x.dtype and _rel(out, want) < 2e-2
+    assert out.dtype == x.dtype and rel_err(out, want) < 2e-2
     out2, grads2 = run()
     assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
 

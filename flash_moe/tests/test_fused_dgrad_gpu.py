@@ -6,12 +6,9 @@ input rules. (The gradients of `moe` through this path are tested in test_moe_ba
 import pytest
 import torch
 from cuda_graph_check import assert_graph_replays_eager
+from error_measure import rel_err
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
 def _setup(kernel, M, K, I, E, top_k, seed, drop=0.0, bpc=1, ids=None):
@@ -116,7 +113,7 @@ def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc, dgrad_bpc, 
     for name, got, want in (("grad_x", gx, t_gx), ("dab", dab[:used], t_dab[:used]), ("sh", sh[:used], t_sh[:used]),
                             ("score", score, t_score)):
         assert torch.isfinite(got).all(), name
-        assert _rel(got, want) < 2e-2, (name, _rel(got, want))
+        assert rel_err(got, want) < 2e-2, (name, rel_err(got, want))
     # Padding rows inside the experts' m-blocks are written as zeros (the wgrad's A operand reads
     # them); rows past num_tokens_post_padded are unspecified.
     pad = ~live & (torch.arange(live.numel(), device="cuda") < routing[2])
@@ -170,7 +167,7 @@ def test_dgrad_pairs_carry_a_short_tail(kernel):
     for a, b in zip(folded, single):
         assert torch.equal(a, b)
     t_gx = _truth(x, w, w2, ids, wts, g, routing, top_k)[0]
-    assert _rel(paired[0], t_gx) < 2e-2
+    assert rel_err(paired[0], t_gx) < 2e-2
 
 
 def test_dgrad_graph_capture_replays_eager(kernel):
@@ -193,7 +190,7 @@ def test_dgrad_bad_inputs_name_the_argument(kernel):
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 64, 256, 128, 4, 2, seed=1)
     with pytest.raises(RuntimeError, match="preact must hold"):
         kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact[:-8], *routing, wts, 2)
-    with pytest.raises(RuntimeError, match=r"bpc \(m-blocks per cluster\) must be 1 or 2, got 3"):
+    with pytest.raises(RuntimeError, match=r"bpc \(CTAs per cluster\) must be 1 or 2, got 3"):
         kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 2, bpc=3)
     with pytest.raises(RuntimeError, match="grad_out must have dtype"):
         kernel.fused_moe_bf16_dgrad(g.float(), *_halves(w), w2, preact, *routing, wts, 2)

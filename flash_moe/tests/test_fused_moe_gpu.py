@@ -3,6 +3,7 @@
 import pytest
 import torch
 from cuda_graph_check import assert_graph_replays_eager
+from error_measure import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -30,10 +31,6 @@ def _run(kernel, x, w, w2, ids, wt, split=True, out=None, **tuning):
         out = torch.full_like(x, float("nan"))  # poisoned: unwritten rows fail
     kernel.fused_moe_bf16(x, w, w2, s, e, n, wt, out, ids.shape[1], split=split, **tuning)
     return out
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 # ---------------------------------------------------------------- moe_align
@@ -94,7 +91,7 @@ def test_fused_accuracy_vs_fp32(kernel, reference, M, K, I, E, top_k, drop, one,
     out = _run(kernel, x, w, w2, ids, wt, bpc=bpc)
     truth = reference.moe_fp32(x, w, w2, ids, wt)
     unfused = reference.grouped_mm_path(x, w, w2, ids, wt)
-    err, err_unfused = _rel(out, truth), _rel(unfused, truth)
+    err, err_unfused = rel_err(out, truth), rel_err(unfused, truth)
     assert torch.isfinite(out).all()
     assert err <= 1.5 * err_unfused + 1e-6, (err, err_unfused)
     assert err < 2e-2
@@ -106,11 +103,11 @@ def test_fused_split_false_accumulates(kernel, reference):
     out = base.clone()
     _run(kernel, x, w, w2, ids, wt, split=False, out=out)
     truth = reference.moe_fp32(x, w, w2, ids, wt) + base.float()
-    assert _rel(out, truth) < 1e-2
+    assert rel_err(out, truth) < 1e-2
     # split=True ignores what was in out
     out2 = base.clone()
     _run(kernel, x, w, w2, ids, wt, split=True, out=out2)
-    assert _rel(out2, reference.moe_fp32(x, w, w2, ids, wt)) < 2e-2
+    assert rel_err(out2, reference.moe_fp32(x, w, w2, ids, wt)) < 2e-2
 
 
 def test_all_slots_dropped_gives_zero(kernel):
@@ -199,7 +196,7 @@ def test_fitted_tiles_bit_identical_to_single(kernel, reference, K, I, stages):
     assert torch.isfinite(paired).all()
     assert torch.equal(paired, single)
     truth = reference.moe_fp32(x, w, w2, ids, wt)
-    assert _rel(paired, truth) <= 1.5 * _rel(reference.grouped_mm_path(x, w, w2, ids, wt), truth) + 1e-6
+    assert rel_err(paired, truth) <= 1.5 * rel_err(reference.grouped_mm_path(x, w, w2, ids, wt), truth) + 1e-6
 
 
 @pytest.mark.parametrize("bpc", [1, 2])
@@ -241,7 +238,7 @@ def test_moe_convenience(kernel, reference):
     x, w, w2, ids, wt = _inputs(128, 512, 256, 8, 2, seed=9)
     I = w.shape[1] // 2
     out = kernel.moe(x, w[:, :I], w2, w[:, I:], ids.long(), wt.double())
-    assert _rel(out, reference.moe_fp32(x, w, w2, ids, wt)) < 2e-2
+    assert rel_err(out, reference.moe_fp32(x, w, w2, ids, wt)) < 2e-2
 
 
 def test_opcheck(kernel):
@@ -278,7 +275,7 @@ def test_bad_inputs(kernel):
          sorted_token_ids=torch.zeros(128, dtype=torch.int32, device="cuda"))
     _bad(kernel, "block_n must be", block_n=64)
     _bad(kernel, "stages must be", stages=7)
-    _bad(kernel, "bpc \\(m-blocks per cluster\\) must be 1 or 2", bpc=3)
+    _bad(kernel, "bpc \\(CTAs per cluster\\) must be 1 or 2", bpc=3)
     _bad(kernel, "x must be contiguous", x=torch.randn(256, 64, device="cuda").bfloat16().t())
     _bad(kernel, "w must be a CUDA tensor|w must be on the same device", w=w.cpu())
     _bad(kernel, "top_k must be in", top_k=17)

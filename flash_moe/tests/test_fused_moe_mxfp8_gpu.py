@@ -6,12 +6,9 @@ import math
 import pytest
 import torch
 from cuda_graph_check import assert_graph_replays_eager
+from error_measure import rel_err
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _bytes(t):
@@ -153,7 +150,7 @@ def test_dequantize_round_trip(kernel, reference):
     d = kernel.dequantize_mxfp8(v, s)
     want = reference.dequantize_mxfp8(v.cpu(), s.cpu(), torch.bfloat16)
     assert torch.equal(d.cpu(), want)
-    assert _rel(d, y) < 0.05  # e4m3: 3 mantissa bits
+    assert rel_err(d, y) < 0.05  # e4m3: 3 mantissa bits
 
 
 # ---------------------------------------------------------------- fused_moe_mxfp8 accuracy
@@ -228,12 +225,12 @@ def test_fused_mxfp8_accuracy(kernel, reference, M, K, I, E, top_k, drop, one, s
     assert torch.isfinite(out).all()  # poisoned: every row written
     truth = reference.moe_fp32(d["x"], d["w"], d["w2"], d["ids"], d["wt"])
     xd, wd, w2d = _dequantized(reference, d["q"])
-    floor = _rel(reference.moe_fp32(xd, wd, w2d, d["ids"], d["wt"]), truth)  # what quantizing alone costs
+    floor = rel_err(reference.moe_fp32(xd, wd, w2d, d["ids"], d["wt"]), truth)  # what quantizing alone costs
     assert 1e-3 < floor < 0.1, floor
-    err = _rel(out, truth)
+    err = rel_err(out, truth)
     assert err <= 1.5 * floor, (err, floor)
     ref = _ref_run(kernel, reference, d)
-    assert _rel(out, ref) <= 1e-2, _rel(out, ref)  # same roundings, only the fp32 summation order differs
+    assert rel_err(out, ref) <= 1e-2, rel_err(out, ref)  # same roundings, only the fp32 summation order differs
 
 
 def test_fused_mxfp8_split_false_accumulates(kernel, reference):
@@ -241,11 +238,11 @@ def test_fused_mxfp8_split_false_accumulates(kernel, reference):
     base = torch.randn(300, 1024, device="cuda").bfloat16()
     out = _run(kernel, d, out=base.clone(), split=False)
     ref = _ref_run(kernel, reference, d, out=base.clone(), split=False)
-    assert _rel(out.float() - base.float(), ref.float() - base.float()) < 1e-2
+    assert rel_err(out.float() - base.float(), ref.float() - base.float()) < 1e-2
     truth = reference.moe_fp32(d["x"], d["w"], d["w2"], d["ids"], d["wt"])
     xd, wd, w2d = _dequantized(reference, d["q"])
-    floor = _rel(reference.moe_fp32(xd, wd, w2d, d["ids"], d["wt"]), truth)
-    assert _rel(out.float() - base.float(), truth) <= 1.5 * floor
+    floor = rel_err(reference.moe_fp32(xd, wd, w2d, d["ids"], d["wt"]), truth)
+    assert rel_err(out.float() - base.float(), truth) <= 1.5 * floor
     # split=True ignores what was in out
     assert torch.equal(_run(kernel, d, out=base.clone(), split=True), _run(kernel, d))
 
@@ -346,7 +343,7 @@ def test_fused_mxfp8_window_edge(kernel, reference, monkeypatch, spread):
     out = _run(kernel, d)
     assert torch.isfinite(out).all()
     assert torch.equal(out, _general(kernel, d, monkeypatch))
-    assert _rel(out, _ref_run(kernel, reference, d)) <= 1e-2
+    assert rel_err(out, _ref_run(kernel, reference, d)) <= 1e-2
     assert torch.equal(out[5], torch.zeros_like(out[5]))
 
 

@@ -7,12 +7,9 @@ test_moe_backward_gpu.py.)"""
 import pytest
 import torch
 from cuda_graph_check import assert_graph_replays_eager
+from error_measure import rel_err
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
 def _setup(kernel, M, K, I, E, top_k, seed, drop=0.0, one_expert=None):
@@ -89,7 +86,7 @@ def test_wgrad_vs_fp64(kernel, M, K, I, E, top_k, drop, one, bpc, overlap):
         assert torch.isfinite(gt).all(), name
         # fp32 sums of bf16 products, rounded once to bf16: within a bf16 rounding of the truth
         torch.testing.assert_close(gt.double(), wt, rtol=8e-3, atol=1e-4 * wt.abs().max().item(), msg=name)
-        assert _rel(gt, wt) < 4e-3, (name, _rel(gt, wt))
+        assert rel_err(gt, wt) < 4e-3, (name, rel_err(gt, wt))
         empty = (wt.flatten(1) == 0).all(1)  # experts without rows: exactly zero
         assert torch.equal(gt[empty], torch.zeros_like(gt[empty])), name
     if one is not None or M == 1 or E >= 256:

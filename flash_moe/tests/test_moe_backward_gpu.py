@@ -9,14 +9,11 @@ import torch
 import torch.nn.functional as F
 from cuda_graph_check import assert_graph_replays_eager
 from prime_rl_peer import PrimeRlFusedMoE, prime_rl_backward
+from error_measure import rel_err
 
 pytestmark = pytest.mark.gpu
 
 GRADS = ("x", "w1", "w2", "w3", "topk_weights")
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 
 def _inputs(M, K, I, E, top_k, seed, wdtype=torch.bfloat16, drop=0.0, one_expert=None):
@@ -85,18 +82,18 @@ def test_gradients_vs_fp64_and_the_peer(kernel, reference, M, K, I, E, top_k, wd
         dropped = ids < 0
         assert dropped.any() and torch.equal(ours[4][dropped], torch.zeros_like(ours[4][dropped]))
         for name, got, want in zip(GRADS, ours, truth):
-            assert _rel(got, want) < 2e-2, name  # bf16 operands: a few 1e-3 typical
+            assert rel_err(got, want) < 2e-2, name  # bf16 operands: a few 1e-3 typical
     else:
         peer = prime_rl_backward(g, x, w1, w2, w3, ids, scores, E)
         for name, got, want, p in zip(GRADS, ours, truth, peer):
-            err, peer_err = _rel(got, want), _rel(p, want)
+            err, peer_err = rel_err(got, want), rel_err(p, want)
             if got.numel() < 256:
                 # A handful of values (M = 1: eight score gradients): both errors are a few bf16
                 # roundings, and their ratio is a coin toss. Held to truth directly instead.
                 assert err < 2e-2, (name, err, peer_err)
             else:
                 assert err <= 1.5 * peer_err + 1e-6, (name, err, peer_err)
-    assert _rel(out, out_t) < 1e-2
+    assert rel_err(out, out_t) < 1e-2
 
 
 def test_only_needed_gradients_are_computed(kernel):
@@ -232,7 +229,7 @@ def test_replaces_prime_rls_fused_moe(kernel, reference, mxfp8):
     out64.backward(2 * out.double() / out.numel())
     truth = [x.grad, leaves[0].grad, leaves[1].grad, leaves[2].grad, logits.grad]
     for name, a, b, t in zip(("x", "w1", "w2", "w3", "router logits"), ours, theirs, truth):
-        assert _rel(a, t) <= 1.5 * _rel(b, t) + 1e-6, (name, _rel(a, t), _rel(b, t))
+        assert rel_err(a, t) <= 1.5 * rel_err(b, t) + 1e-6, (name, rel_err(a, t), rel_err(b, t))
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from error_measure import rel_err
 
 
 def _e4m3_value(p: int) -> float:
@@ -197,10 +198,6 @@ def _mx_run(reference, d, out=None, split=True):
                                      d["ids"].shape[1], split=split)
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("M,K,I,E,top_k,drop", [(1, 64, 32, 2, 1, 0.0), (45, 96, 64, 6, 3, 0.2),
                                                 (130, 160, 96, 4, 2, 0.0)])
 def test_fused_mxfp8_reference(reference, M, K, I, E, top_k, drop):
@@ -219,13 +216,13 @@ def test_fused_mxfp8_reference(reference, M, K, I, E, top_k, drop):
     # against the exact fp64 MoE of the dequantized inputs: only the bf16 roundings of h, the slot rows
     # and out remain (each <= 2^-9 relative)
     exact_dq = reference.moe_fp32(xd, wd, w2d, d["ids"], d["wt"], dtype=torch.float64)
-    assert _rel(out, exact_dq) < 6e-3
+    assert rel_err(out, exact_dq) < 6e-3
     # against truth on the original inputs: the quantization floor dominates, and the reference sits
     # within the 1.5x-of-floor bound the GPU kernel is held to
     truth = reference.moe_fp32(d["x"], d["w"], d["w2"], d["ids"], d["wt"], dtype=torch.float64)
-    floor = _rel(exact_dq, truth)
+    floor = rel_err(exact_dq, truth)
     assert 5e-3 < floor < 0.1
-    assert _rel(out, truth) <= 1.5 * floor
+    assert rel_err(out, truth) <= 1.5 * floor
 
 
 def test_fused_mxfp8_reference_split_false(reference):
@@ -235,7 +232,7 @@ def test_fused_mxfp8_reference_split_false(reference):
     added = _mx_run(reference, d, out=base.clone(), split=False)
     alone = _mx_run(reference, d)
     assert not torch.equal(added, alone)
-    assert _rel(added.float() - base.float(), alone) < 1e-2
+    assert rel_err(added.float() - base.float(), alone) < 1e-2
     # bit for bit what the bf16 reference does with the (bf16-exact) dequantized inputs
     xb, wb, w2b = _deq(reference, d, torch.bfloat16)
     s, e, n = reference.moe_align(d["ids"], 4)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from prime_rl_peer import to_mx_rceil
+from error_measure import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -82,10 +83,6 @@ def _truth(reference, x, w1, w2, w3, ids, scores):
     return reference.moe_fp32(x.float(), w, w2.float(), ids.to(torch.int32), scores.float())
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 SHAPES = [
     # tokens, dim, hidden, experts, top_k, weight dtype, dropped share
     (256, 2048, 768, 64, 8, torch.float32, 0.0),
@@ -104,7 +101,7 @@ def test_prime_rl_bf16_sequence(flash_moe, reference, T, dim, hidden, E, top_k, 
     truth = _truth(reference, x, w1, w2, w3, ids, scores)
     w = torch.cat((w1, w3), dim=1).bfloat16()
     peer = reference.grouped_mm_path(x, w, w2.bfloat16(), ids, scores)  # the unfused bf16 path's error
-    assert _rel(out, truth) <= 1.5 * _rel(peer, truth), (_rel(out, truth), _rel(peer, truth))
+    assert rel_err(out, truth) <= 1.5 * rel_err(peer, truth), (rel_err(out, truth), rel_err(peer, truth))
 
 
 @pytest.mark.parametrize("T,dim,hidden,E,top_k,wdtype,drop", SHAPES)
@@ -119,6 +116,6 @@ def test_prime_rl_mxfp8_sequence(flash_moe, reference, T, dim, hidden, E, top_k,
     for t in (x, torch.cat((w1, w3), dim=1), w2):
         data, scales = prime_rl_quantize_mxfp8(t, 32)
         deq.append(reference.dequantize_mxfp8(data, scales))
-    floor = _rel(reference.moe_fp32(deq[0], deq[1], deq[2], ids.to(torch.int32), scores.float()), truth)
+    floor = rel_err(reference.moe_fp32(deq[0], deq[1], deq[2], ids.to(torch.int32), scores.float()), truth)
     assert 1e-3 < floor < 0.1, floor
-    assert _rel(out, truth) <= 1.5 * floor, (_rel(out, truth), floor)
+    assert rel_err(out, truth) <= 1.5 * floor, (rel_err(out, truth), floor)

@@ -119,7 +119,7 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   PK_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   PK_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
   PK_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
-  PK_CHECK(bpc == 1 || bpc == 2, op, ": bpc (m-blocks per cluster) must be 1 or 2, got ", bpc);
+  PK_CHECK(bpc == 1 || bpc == 2, op, ": bpc (CTAs per cluster) must be 1 or 2, got ", bpc);
   PK_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
   PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
            "], got ", top_k);
