@@ -144,13 +144,13 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   const int64_t expert_stride = a.w3 ? a.I * a.K : 2 * a.I * a.K;
   if (!make_tmap(&gate_up.weights, host::expert_rows(a.w, a.E, a.I, a.K, expert_stride), false) ||
       !make_tmap(&gate_up.weights2, host::expert_rows(w3, a.E, a.I, a.K, expert_stride), false) ||
-      !make_tmap(&gate_up.out, host::out_rows(ws.h, a.L, a.I), false, kStoreBoxRows) ||
-      !make_tmap(&gate_up.out_rows, host::out_rows(ws.h, a.L, a.I), false, kRowsBox) ||
-      !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
-      !make_tmap(&down.tokens_tail, host::h_rows(ws.h, a.L, a.I), false, kTailBox) ||
+      !make_tmap(&gate_up.out, host::row_major(ws.h, a.L, a.I), false, kStoreBoxRows) ||
+      !make_tmap(&gate_up.out_rows, host::row_major(ws.h, a.L, a.I), false, kRowsBox) ||
+      !make_tmap(&down.tokens, host::row_major(ws.h, a.L, a.I), false) ||
+      !make_tmap(&down.tokens_tail, host::row_major(ws.h, a.L, a.I), false, kTailBox) ||
       !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false) ||
-      !make_tmap(&down.out, host::out_rows(ws.Y, a.L, a.K), false, kStoreBoxRows) ||
-      !make_tmap(&down.out_rows, host::out_rows(ws.Y, a.L, a.K), false, kRowsBox))
+      !make_tmap(&down.out, host::row_major(ws.Y, a.L, a.K), false, kStoreBoxRows) ||
+      !make_tmap(&down.out_rows, host::row_major(ws.Y, a.L, a.K), false, kRowsBox))
     return cudaErrorInvalidValue;
   GemmParams p1, p2;
   make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
@@ -194,7 +194,7 @@ cudaError_t fused_moe_mxfp8(const FusedMoeMxfp8Args& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   gemm::Mxfp8Maps gate_up{}, down{};
   if (!make_tmap(&gate_up.weights, host::gate_up_weights(a.w, a.E, a.K, a.I, 1), true) ||
-      !make_tmap(&down.tokens, host::h_rows(ws.h, a.L, a.I), false) ||
+      !make_tmap(&down.tokens, host::row_major(ws.h, a.L, a.I), false) ||
       !make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 1), true))
     return cudaErrorInvalidValue;
   GemmParams p1, p2;

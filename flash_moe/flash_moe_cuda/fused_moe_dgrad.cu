@@ -82,7 +82,8 @@ __global__ void __launch_bounds__(kPositionThreads) score_sum_kernel(const float
       for (int k = 0; k < fold.top_k; ++k) dead += inv[i * fold.top_k + k] < 0;
       for (int c = 0; c < fold.chunks; ++c) fold.count[i * fold.chunks + c] = dead;
       if (dead == fold.top_k)
-        for (int64_t f = 0; f < fold.K; f += 8) *reinterpret_cast<uint4*>(fold.grad_x + i * fold.K + f) = make_uint4(0, 0, 0, 0);
+        for (int64_t f = 0; f < fold.K; f += 8)
+          *reinterpret_cast<uint4*>(fold.grad_x + i * fold.K + f) = make_uint4(0, 0, 0, 0);
     }
     if (i < L) {  // i as a position
       const int sid = sorted_ids[i];
@@ -148,8 +149,8 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   // GEMM1: grad_out rows gathered (no token maps), w2 M-major; dA|dB and s*h out.
   gemm::Bf16Maps down{};
   if (!make_tmap(&down.weights, host::down_weights(a.w2, a.E, a.K, a.I, 2), false, kMnBox) ||
-      !make_tmap(&down.out, host::out_rows(a.dab, a.L, 2 * a.I), false, gemm::kDgradStoreRows) ||
-      !make_tmap(&down.out2, host::out_rows(a.sh, a.L, a.I), false, gemm::kDgradStoreRows))
+      !make_tmap(&down.out, host::row_major(a.dab, a.L, 2 * a.I), false, gemm::kDgradStoreRows) ||
+      !make_tmap(&down.out2, host::row_major(a.sh, a.L, a.I), false, gemm::kDgradStoreRows))
     return cudaErrorInvalidValue;
   GemmParams p1 = base_params(a, counters);
   p1.out = static_cast<__nv_bfloat16*>(a.dab);
@@ -178,12 +179,12 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
 
   // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
   gemm::Bf16Maps gate_up{};
-  if (!make_tmap(&gate_up.tokens, host::h_rows(a.dab, a.L, 2 * a.I), false) ||
-      !make_tmap(&gate_up.tokens_tail, host::h_rows(a.dab, a.L, 2 * a.I), false, gemm::kMaxRows - gemm::kBM) ||
+  if (!make_tmap(&gate_up.tokens, host::row_major(a.dab, a.L, 2 * a.I), false) ||
+      !make_tmap(&gate_up.tokens_tail, host::row_major(a.dab, a.L, 2 * a.I), false, gemm::kMaxRows - gemm::kBM) ||
       !make_tmap(&gate_up.weights, host::expert_rows(a.w1, a.E, a.I, a.K), false, kMnBox) ||
       !make_tmap(&gate_up.weights2, host::expert_rows(a.w3, a.E, a.I, a.K), false, kMnBox) ||
-      !make_tmap(&gate_up.out, host::out_rows(dx, a.L, a.K), false, host::kStoreBoxRows) ||
-      !make_tmap(&gate_up.out_rows, host::out_rows(dx, a.L, a.K), false, kRowsBox))
+      !make_tmap(&gate_up.out, host::row_major(dx, a.L, a.K), false, host::kStoreBoxRows) ||
+      !make_tmap(&gate_up.out_rows, host::row_major(dx, a.L, a.K), false, kRowsBox))
     return cudaErrorInvalidValue;
   GemmParams p2 = base_params(a, counters);
   p2.out = dx;

@@ -94,9 +94,9 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   // grad_W2 (E, K, I): A = s*h (L, I), B = grad_out rows. grad_W1, grad_W3 (E, I, K): A = dA|dB
   // (L, 2I), B = x rows.
   wgrad::Maps down{}, gate_up{};
-  if (!make_tmap(&down.a, host::out_rows(a.sh, a.L, a.I), false, kBox) ||
+  if (!make_tmap(&down.a, host::row_major(a.sh, a.L, a.I), false, kBox) ||
       !make_tmap(&down.out, host::down_weights(a.grad_w2, a.E, a.K, a.I, 2), false, kBox) ||
-      !make_tmap(&gate_up.a, host::out_rows(a.dab, a.L, 2 * a.I), false, kBox) ||
+      !make_tmap(&gate_up.a, host::row_major(a.dab, a.L, 2 * a.I), false, kBox) ||
       !make_tmap(&gate_up.out, host::expert_rows(a.grad_w1, a.E, a.I, a.K), false, kBox) ||
       !make_tmap(&gate_up.out2, host::expert_rows(a.grad_w3, a.E, a.I, a.K), false, kBox))
     return cudaErrorInvalidValue;

@@ -59,7 +59,7 @@ inline bool make_tmap(CUtensorMap* tm, const Operand& o, bool e4m3, uint32_t box
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// w (E, 2I, K), w2 (E, K, I), h (L, I): element size 2 (bf16) or 1 (e4m3).
+// w (E, 2I, K), w2 (E, K, I): element size 2 (bf16) or 1 (e4m3).
 inline Operand gate_up_weights(const void* w, int64_t E, int64_t K, int64_t I, int elem) {
   return Operand{w, 3, {(uint64_t)K, (uint64_t)(2 * I), (uint64_t)E}, {(uint64_t)(K * elem), (uint64_t)(2 * I * K * elem)}};
 }
@@ -72,14 +72,12 @@ inline Operand expert_rows(const void* w, int64_t E, int64_t R, int64_t C, int64
   const int64_t stride = expert_stride ? expert_stride : R * C;
   return Operand{w, 3, {(uint64_t)C, (uint64_t)R, (uint64_t)E}, {(uint64_t)(C * 2), (uint64_t)(stride * 2)}};
 }
-inline Operand h_rows(const void* h, int64_t L, int64_t I) {
-  return Operand{h, 2, {(uint64_t)I, (uint64_t)L, 1}, {(uint64_t)(I * 2), 0}};
+// A (rows, cols) bf16 row-major matrix: h, Y, dA|dB, s*h, dx slots, by sorted position.
+inline Operand row_major(const void* m, int64_t rows, int64_t cols) {
+  return Operand{m, 2, {(uint64_t)cols, (uint64_t)rows, 1}, {(uint64_t)(cols * 2), 0}};
 }
-// The bf16 epilogues' TMA stores: (rows, cols) bf16 row-major, 64 x 64 boxes (the down dgrad's: 32 x 64).
+// The bf16 epilogues' TMA stores: 64 x 64 boxes (the down dgrad's: 32 x 64).
 constexpr uint32_t kStoreBoxRows = 64;
-inline Operand out_rows(const void* out, int64_t rows, int64_t cols) {
-  return Operand{out, 2, {(uint64_t)cols, (uint64_t)rows, 1}, {(uint64_t)(cols * 2), 0}};
-}
 
 // ---------------------------------------------------------------- launches
 // after_previous: a programmatic dependent launch, which may start while the previous kernel of
