@@ -144,6 +144,15 @@ struct Tile {
   int flags = 0;  // CTA pairs: kMulticast, kIdle
   int rows = kBlockM;
   int group = 0;
+  // As a tile slot's eight words (TileSlots), and back.
+  __device__ void to_words(uint32_t (&v)[8]) const {
+    const uint32_t w[8] = {(uint32_t)m0, (uint32_t)nb, (uint32_t)e, (uint32_t)flags, (uint32_t)rows, (uint32_t)group,
+                           0u, 0u};
+    for (int i = 0; i < 8; ++i) v[i] = w[i];
+  }
+  __device__ static Tile from_words(const uint32_t (&v)[8]) {
+    return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
+  }
 };
 // CTA pairs (clusters of 2, bpc = 2). kMulticast: the two CTAs compute one n-block for two
 // parts of one expert's rows, and each TMA-multicasts one of the stage's two weight boxes to
@@ -263,10 +272,12 @@ struct TileSlots {
       mbar_init(claim_free(i), 1);
     }
   }
-  // A slot's eight words (any tile format: the wgrad kernel's too); kPeer: `slot` is in the other
-  // CTA of the pair (peer_smem).
-  template <bool kPeer = false>
-  __device__ static void put_words(uint32_t slot, const uint32_t (&v)[8]) {
+  // A slot holds any tile format with to_words / from_words (this Tile, wgrad::Tile); kPeer:
+  // `slot` is in the other CTA of the pair (peer_smem).
+  template <bool kPeer = false, class T>
+  __device__ static void put(uint32_t slot, const T& t) {
+    uint32_t v[8];
+    t.to_words(v);
     if constexpr (kPeer) {
       st_peer_v4(slot, v[0], v[1], v[2], v[3]);
       st_peer_v4(slot + 16, v[4], v[5], v[6], v[7]);
@@ -275,20 +286,18 @@ struct TileSlots {
       st_shared_v4(slot + 16, v[4], v[5], v[6], v[7]);
     }
   }
-  template <bool kPeer = false>
-  __device__ static void put(uint32_t slot, const Tile& t) {
-    const uint32_t v[8] = {(uint32_t)t.m0, (uint32_t)t.nb, (uint32_t)t.e, (uint32_t)t.flags,
-                           (uint32_t)t.rows, (uint32_t)t.group, 0u, 0u};
-    put_words<kPeer>(slot, v);
-  }
-  // A slot's eight words as put wrote them.
-  __device__ static Tile unpack(const uint32_t (&v)[8]) {
-    return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
-  }
-  __device__ static Tile get(uint32_t slot) {
+  template <class T>
+  __device__ static T get(uint32_t slot) {
     const uint4 a = ld_shared_v4(slot), b = ld_shared_v4(slot + 16);
     const uint32_t v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    return unpack(v);
+    return T::from_words(v);
+  }
+  // Whole warps: lane 0 reads the slot, the warp gets its words (wait_tile says why).
+  template <class T>
+  __device__ static T get_lane0(uint32_t slot) {
+    uint32_t v[8];
+    ld_shared_x8_lane0(slot, v);
+    return T::from_words(v);
   }
   // The claim exchange, whatever the tile's format (the wgrad kernel's too): producer threads
   // (all `threads` of them call it) get the claim slot holding their next tile, once thread 0
@@ -321,18 +330,22 @@ struct TileSlots {
       if (threadIdx.x == 0) mbar_arrive_peer(peer_smem(claim_free(last), 0));
     }
   }
-  // Producer threads (all `threads` of them call it): the next tile.
+  // Producer threads (all `threads` of them call it): the next tile, as claim_next's claims
+  // wrote it.
+  template <class T, class ClaimOne, class ClaimTwo>
+  __device__ T next(int threads, ClaimOne claim_one, ClaimTwo claim_two) {
+    const T t = get<T>(claim_next(threads, claim_one, claim_two));
+    claim_read(threads);
+    return t;
+  }
   __device__ Tile next(const GemmParams& p, const TileOrder& order, int threads) {
-    const uint32_t slot = claim_next(
+    return next<Tile>(
         threads, [&](uint32_t own) { put(own, claim_tile(p, order)); },
         [&](uint32_t own, uint32_t peer) {
           const TilePair t = claim_pair(p, order);
           put(own, t.rank[0]);
           put<true>(peer, t.rank[1]);
         });
-    const Tile t = get(slot);
-    claim_read(threads);
-    return t;
   }
 };
 

@@ -133,9 +133,7 @@ template <int kStages>
 __device__ __forceinline__ Tile wait_tile(const Barriers<kStages>& bars, const TileSlots& slots, uint32_t it) {
   const int s = it % kStages;
   mbar_wait(bars.full(s), (it / kStages) & 1);
-  uint32_t v[8];
-  ld_shared_x8_lane0(slots.stage(s), v);
-  return TileSlots::unpack(v);
+  return TileSlots::get_lane0<Tile>(slots.stage(s));
 }
 
 // Consumers with nothing to compute in a tile (all-padding rows, a pair's idle CTA): take and

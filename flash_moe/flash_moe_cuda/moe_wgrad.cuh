@@ -82,31 +82,16 @@ struct Plan {
 struct Tile {
   int e, a_tile, b_tile, row0, rows;
   int flags = 0;
+  // As a tile slot's eight words (gemm::TileSlots), and back.
+  __device__ void to_words(uint32_t (&v)[8]) const {
+    const uint32_t w[8] = {(uint32_t)e, (uint32_t)a_tile, (uint32_t)b_tile, (uint32_t)row0, (uint32_t)rows,
+                           (uint32_t)flags, 0u, 0u};
+    for (int i = 0; i < 8; ++i) v[i] = w[i];
+  }
+  __device__ static Tile from_words(const uint32_t (&v)[8]) {
+    return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
+  }
 };
-// kPeer: `slot` is in the other CTA of the pair (peer_smem).
-template <bool kPeer = false>
-__device__ __forceinline__ void put_tile(uint32_t slot, const Tile& t) {
-  const uint32_t v[8] = {(uint32_t)t.e, (uint32_t)t.a_tile, (uint32_t)t.b_tile, (uint32_t)t.row0,
-                         (uint32_t)t.rows, (uint32_t)t.flags, 0u, 0u};
-  gemm::TileSlots::put_words<kPeer>(slot, v);
-}
-// A slot's eight words as put_tile wrote them.
-__device__ __forceinline__ Tile unpack_tile(const uint32_t (&v)[8]) {
-  return Tile{(int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5]};
-}
-__device__ __forceinline__ Tile get_tile(uint32_t slot) {
-  const uint4 a = ld_shared_v4(slot), b = ld_shared_v4(slot + 16);
-  const uint32_t v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-  return unpack_tile(v);
-}
-// Consumers (whole warps): lane 0 reads the stage's tile slot and broadcasts it, lane 0 being the
-// thread that releases the stage; racecheck credits an order only through the reader's own arrive
-// (gemm::wait_tile, DESIGN.md §8.1 (g)).
-__device__ __forceinline__ Tile get_tile_lane0(uint32_t slot) {
-  uint32_t v[8];
-  ld_shared_x8_lane0(slot, v);
-  return unpack_tile(v);
-}
 __device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
 
 // Tiles in expert order, an expert's A-feature tiles each with its B-feature tiles, claimed from a
@@ -156,15 +141,13 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
   uint32_t it = 0;
   for (;;) {
     // Two claim slots: a write never meets a pending read.
-    const uint32_t claim_slot = slots.claim_next(
-        kGatherers, [&](uint32_t own) { put_tile(own, claim_tile(p)); },
+    const Tile tile = slots.next<Tile>(
+        kGatherers, [&](uint32_t own) { gemm::TileSlots::put(own, claim_tile(p)); },
         [&](uint32_t own, uint32_t peer) {
           const Tile t = claim_tile<true>(p);
-          put_tile(own, t);
-          put_tile<true>(peer, partner_tile(p, t));
+          gemm::TileSlots::put(own, t);
+          gemm::TileSlots::put<true>(peer, partner_tile(p, t));
         });
-    const Tile tile = get_tile(claim_slot);
-    slots.claim_read(kGatherers);
     if (tile.e < 0) break;
     const bool gather = !(kPaired && (tile.flags & gemm::kIdle));
     const int nk = k_blocks(tile.rows);
@@ -183,7 +166,7 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
       const uint32_t stage = sbase + s * P::kStageBytes;
       mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
       if (threadIdx.x == 0) {
-        if (kb == 0) put_tile(slots.stage(s), tile);  // before the arrive
+        if (kb == 0) gemm::TileSlots::put(slots.stage(s), tile);  // before the arrive
         if (nk > 0) {
           mbar_arrive_expect_tx(bars.full(s), P::kABytes);  // paired: two boxes from each CTA
           const int i0 = kPaired ? 2 * (int)slots.rank : 0;
@@ -216,7 +199,7 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
   const int s = it % kStages;
   mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
   if (threadIdx.x == 0) {
-    put_tile(slots.stage(s), Tile{-1, 0, 0, 0, 0});
+    gemm::TileSlots::put(slots.stage(s), Tile{-1, 0, 0, 0, 0});
     mbar_arrive(bars.full(s));
   }
   mbar_arrive(bars.full(s));
@@ -271,7 +254,7 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
   gemm::HeldStage<kStages> held;  // its two A blocks take output boxes
   for (;;) {
     mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
-    const Tile tile = get_tile_lane0(slots.stage(it % kStages));
+    const Tile tile = gemm::TileSlots::get_lane0<Tile>(slots.stage(it % kStages));
     if (tile.e < 0) break;
     const int nk = __shfl_sync(0xffffffffu, k_blocks(tile.rows), 0);  // warp-uniform (see ConsumerThread)
     const bool idle = kPaired && (tile.flags & gemm::kIdle);
@@ -388,7 +371,7 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
   };
 
   for (;;) {
-    const Tile tile = get_tile_lane0(slots.stage((take(it), it % kStages)));
+    const Tile tile = gemm::TileSlots::get_lane0<Tile>(slots.stage((take(it), it % kStages)));
     if (tile.e < 0) break;
     const int nk = __shfl_sync(0xffffffffu, k_blocks(tile.rows), 0);  // warp-uniform (see ConsumerThread)
     // A pair's idle CTA computes on whatever its stages hold (its B rows are not gathered) and
