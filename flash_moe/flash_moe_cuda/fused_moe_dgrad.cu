@@ -36,26 +36,6 @@ using heuristics::kPositionCtasPerSm;
 using gemm::GemmParams;
 using gemm::Kind;
 
-// Score partials per position: 2 consumer warpgroups x 2 blocks x 4 warps per 256-feature
-// n-block.
-int64_t score_parts(int64_t I) { return 16 * ((I + 255) / 256); }
-
-// The workspace's regions (RegionTable, as the forward's WorkspaceLayout).
-struct DgradWorkspace {
-  enum Region { kDx, kScorePart, kInv, kCounters, kUnits, kFoldCount, kRegions };
-  // Two tile counters, then h_done and block_live per m-block (slot_positions writes block_live;
-  // the GEMMs' HandOff is unused here but its counters must exist). kUnits: the CTA pairs' units
-  // (int2, one per m-block at most) and their count, as the forward's. kFoldCount: fold_sum's
-  // count per token and 128-feature chunk (gemm::FoldParams), set by score_sum_kernel.
-  static int64_t counter_ints(int64_t L) { return 2 + 2 * WorkspaceLayout::blocks(L); }
-  static int64_t fold_chunks(int64_t K) { return (K + gemm::kFoldChunk - 1) / gemm::kFoldChunk; }
-  RegionTable<kRegions> table;
-  DgradWorkspace(int64_t M, int64_t K, int64_t I, int64_t L, int top_k)
-      : table({(size_t)(L * K * 2), (size_t)(score_parts(I) * L * 4), (size_t)(M * top_k * 4),
-               (size_t)counter_ints(L) * 4, (size_t)(2 * WorkspaceLayout::blocks(L) + 1) * 4,
-               (size_t)(M * fold_chunks(K) * 4)}) {}
-};
-
 // score[slot] = sum over q ascending of part[q][pos] at the slot's position pos; 0 for a slot
 // without one. One thread per position, so a part's reads are contiguous across the warp (read
 // per slot, at pos = inv[slot], each 4-byte load took a 32-byte sector of its own); a position
@@ -98,7 +78,7 @@ __global__ void __launch_bounds__(kPositionThreads) score_sum_kernel(const float
 }
 
 // The fields both GEMMs share.
-GemmParams base_params(const FusedMoeBf16DgradArgs& a, int32_t* counters) {
+GemmParams base_params(const FusedMoeBf16DgradArgs& a, const DgradWorkspace& ws) {
   GemmParams p{};
   p.sorted_ids = a.sorted_ids;
   p.expert_ids = a.expert_ids;
@@ -107,14 +87,14 @@ GemmParams base_params(const FusedMoeBf16DgradArgs& a, int32_t* counters) {
   p.n_slots = (int)(a.M * a.top_k);
   p.top_k = a.top_k;
   p.E = (int)a.E;
-  p.h_done = counters + 2;  // never awaited: h_done_target stays 0
+  p.h_done = ws.h_done;  // never awaited: h_done_target stays 0
   return p;
 }
 
 }  // namespace
 
 size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
-  return DgradWorkspace(M, K, I, L, top_k).table.offset[DgradWorkspace::kRegions];  // the total
+  return DgradWorkspace::bytes(M, K, I, L, top_k);
 }
 
 cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t stream) {
@@ -123,23 +103,11 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
-  using R = DgradWorkspace;
-  const R layout(a.M, a.K, a.I, a.L, a.top_k);
-  const auto& at = layout.table.offset;
-  uint8_t* const b = static_cast<uint8_t*>(a.workspace);
-  auto* dx = reinterpret_cast<__nv_bfloat16*>(b + at[R::kDx]);
-  auto* part = reinterpret_cast<float*>(b + at[R::kScorePart]);
-  auto* inv = reinterpret_cast<int32_t*>(b + at[R::kInv]);
-  auto* counters = reinterpret_cast<int32_t*>(b + at[R::kCounters]);
-  int32_t* const block_live = counters + 2 + WorkspaceLayout::blocks(a.L);
-  auto* units = reinterpret_cast<int2*>(b + at[R::kUnits]);
-  int32_t* const num_units = reinterpret_cast<int32_t*>(units + WorkspaceLayout::blocks(a.L));
-  auto* fold_count = reinterpret_cast<int32_t*>(b + at[R::kFoldCount]);
-  const int64_t n_slots = a.M * a.top_k;
-  cudaError_t err = cudaMemsetAsync(inv, 0xFF, (size_t)n_slots * 4, stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(counters, 0, (size_t)R::counter_ints(a.L) * 4, stream);
+  const DgradWorkspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k);
+  const int64_t n_slots = ws.n_slots;
+  cudaError_t err = ws.clear(stream);
   if (err == cudaSuccess)
-    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, inv, block_live, stream);
+    err = slot_positions(a.sorted_ids, a.expert_ids, a.ntpp, a.L, n_slots, a.E, ws.inv, ws.block_live, stream);
   if (err != cudaSuccess) return err;
 
   using host::make_tmap;
@@ -152,18 +120,18 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
       !make_tmap(&down.out, host::row_major(a.dab, a.L, 2 * a.I), false, gemm::kDgradStoreRows) ||
       !make_tmap(&down.out2, host::row_major(a.sh, a.L, a.I), false, gemm::kDgradStoreRows))
     return cudaErrorInvalidValue;
-  GemmParams p1 = base_params(a, counters);
+  GemmParams p1 = base_params(a, ws);
   p1.out = static_cast<__nv_bfloat16*>(a.dab);
   p1.ldo = 2 * a.I;
   p1.K = (int)a.K;
   p1.n_out = (int)a.I;
   p1.num_n = (int)((a.I + 255) / 256);
-  p1.tile_counter = counters;
+  p1.tile_counter = ws.tile_counters;
   p1.gate_up.x = static_cast<const __nv_bfloat16*>(a.grad_out);
   p1.gate_up.lda = a.K;
   p1.gate_up.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
   p1.down.topk_weights = a.topk_weights;
-  p1.dgrad.score_part = part;
+  p1.dgrad.score_part = ws.score_part;
   err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
                                 false, stream);
   if (err != cudaSuccess) return err;
@@ -171,10 +139,10 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   const int grid = heuristics::capped_grid(items, kPositionThreads, kPositionCtasPerSm);
   // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
   // written, and the sum stops before them.
-  const FoldPrep prep{a.fold_sum ? fold_count : nullptr, static_cast<__nv_bfloat16*>(a.grad_x), a.M, a.K, a.top_k,
-                      (int)R::fold_chunks(a.K)};
-  score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(part, a.sorted_ids, inv, n_slots, a.L, (int)(a.I / 16),
-                                                           a.score, prep);
+  const FoldPrep prep{a.fold_sum ? ws.fold_count : nullptr, static_cast<__nv_bfloat16*>(a.grad_x), a.M, a.K, a.top_k,
+                      (int)DgradWorkspace::fold_chunks(a.K)};
+  score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(ws.score_part, a.sorted_ids, ws.inv, n_slots, a.L,
+                                                           (int)(a.I / 16), a.score, prep);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
@@ -183,24 +151,24 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
       !make_tmap(&gate_up.tokens_tail, host::row_major(a.dab, a.L, 2 * a.I), false, gemm::kMaxRows - gemm::kBM) ||
       !make_tmap(&gate_up.weights, host::expert_rows(a.w1, a.E, a.I, a.K), false, kMnBox) ||
       !make_tmap(&gate_up.weights2, host::expert_rows(a.w3, a.E, a.I, a.K), false, kMnBox) ||
-      !make_tmap(&gate_up.out, host::row_major(dx, a.L, a.K), false, host::kStoreBoxRows) ||
-      !make_tmap(&gate_up.out_rows, host::row_major(dx, a.L, a.K), false, kRowsBox))
+      !make_tmap(&gate_up.out, host::row_major(ws.dx, a.L, a.K), false, host::kStoreBoxRows) ||
+      !make_tmap(&gate_up.out_rows, host::row_major(ws.dx, a.L, a.K), false, kRowsBox))
     return cudaErrorInvalidValue;
-  GemmParams p2 = base_params(a, counters);
-  p2.out = dx;
+  GemmParams p2 = base_params(a, ws);
+  p2.out = ws.dx;
   p2.ldo = a.K;
   p2.K = (int)(2 * a.I);
   p2.n_out = (int)a.K;
   p2.num_n = (int)((a.K + 255) / 256);
-  p2.tile_counter = counters + 1;
+  p2.tile_counter = ws.tile_counters + 1;
   p2.b_second = (int)a.I;  // reduction rows I.. are w3's
   p2.down = {nullptr, 0};
   if (a.bpc == 2) {  // units as the bf16 forward's: each pair of blocks split by live rows (block_live)
-    p2.pairs = {units, num_units};
-    if ((err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, block_live, units, num_units, stream)) != cudaSuccess)
-      return err;
+    p2.pairs = {ws.units, ws.num_units};
+    err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, ws.block_live, ws.units, ws.num_units, stream);
+    if (err != cudaSuccess) return err;
   }
-  if (a.fold_sum) p2.fold = {fold_count, inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
+  if (a.fold_sum) p2.fold = {ws.fold_count, ws.inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
   const auto launch_gate_up = [&](auto paired, auto fold) {
     constexpr bool kPaired = decltype(paired)::value, kFold = decltype(fold)::value;
     return host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, kPaired, kFold>,
@@ -211,7 +179,7 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
                    : (a.fold_sum ? launch_gate_up(false_type{}, true_type{})
                                  : launch_gate_up(false_type{}, false_type{}));
   if (err != cudaSuccess || a.fold_sum) return err;  // folded: grad_x is summed already
-  return topk_sum(dx, inv, a.grad_x, a.M, a.K, a.top_k, true, stream);
+  return topk_sum(ws.dx, ws.inv, a.grad_x, a.M, a.K, a.top_k, true, stream);
 }
 
 }  // namespace flash_moe

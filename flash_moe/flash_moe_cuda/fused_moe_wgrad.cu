@@ -19,6 +19,7 @@
 #include "heuristics.cuh"
 #include "launch.cuh"
 #include "moe_wgrad.cuh"
+#include "workspace.cuh"
 
 namespace flash_moe {
 namespace {
@@ -26,11 +27,6 @@ namespace {
 using heuristics::kWgradStages;
 using heuristics::kPositionThreads;
 using heuristics::kPositionCtasPerSm;
-
-// Workspace (int32): the two GEMMs' tile counters and the spans (2 per expert), zeroed per call;
-// then the token of each sorted position.
-int64_t zeroed_ints(int64_t E) { return 2 + 2 * E; }
-int64_t workspace_ints(int64_t E, int64_t L) { return zeroed_ints(E) + L; }
 
 // span[2e] = INT_MAX - (expert e's first m-block), span[2e + 1] = 1 + its last live position:
 // integer maxima, so the result is the same whatever the order. moe_align's layout makes an
@@ -82,7 +78,7 @@ cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc,
 
 }  // namespace
 
-size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L) { return (size_t)workspace_ints(E, L) * 4; }
+size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L) { return WgradWorkspace::bytes(E, L); }
 
 cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t stream) {
   // The binding's rules, restated for direct callers: a refusal before anything is launched.
@@ -101,28 +97,26 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
       !make_tmap(&gate_up.out2, host::expert_rows(a.grad_w3, a.E, a.I, a.K), false, kBox))
     return cudaErrorInvalidValue;
 
-  auto* counters = static_cast<int32_t*>(a.workspace);
-  int32_t* span = counters + 2;
-  int32_t* token = counters + zeroed_ints(a.E);
-  cudaError_t err = cudaMemsetAsync(counters, 0, (size_t)zeroed_ints(a.E) * 4, stream);
+  const WgradWorkspace ws(a.workspace, a.E, a.L);
+  cudaError_t err = ws.clear(stream);
   if (err != cudaSuccess) return err;
   const int grid = heuristics::capped_grid(a.L, kPositionThreads, kPositionCtasPerSm);
   expert_spans_kernel<<<grid, kPositionThreads, 0, stream>>>(a.sorted_ids, a.expert_ids, a.ntpp, (int)a.L,
-                                                        (int)(a.M * a.top_k), a.top_k, (int)a.E, span, token);
+                                                        (int)(a.M * a.top_k), a.top_k, (int)a.E, ws.span, ws.token);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   wgrad::Params p{};
-  p.token = token;
+  p.token = ws.token;
   p.E = (int)a.E;
   p.n_b = (int)a.K;
   p.b_tiles = (int)((a.K + wgrad::kTileN - 1) / wgrad::kTileN);
-  p.span = span;
+  p.span = ws.span;
 
   wgrad::Params p1 = p;
   p1.b_rows = static_cast<const __nv_bfloat16*>(a.grad_out);
   p1.m_a = (int)a.I;
   p1.a_tiles = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
-  p1.tile_counter = counters;
+  p1.tile_counter = ws.tile_counters;
   if ((err = launch_wgrad<wgrad::Kind::kDownWgrad>(down, p1, a.bpc, a.overlap, stream)) != cudaSuccess) return err;
 
   wgrad::Params p2 = p;
@@ -130,7 +124,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p2.m_a = (int)(2 * a.I);
   p2.split = (int)a.I;
   p2.a_tiles = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
-  p2.tile_counter = counters + 1;
+  p2.tile_counter = ws.tile_counters + 1;
   return launch_wgrad<wgrad::Kind::kGateUpWgrad>(gate_up, p2, a.bpc, a.overlap, stream);
 }
 
