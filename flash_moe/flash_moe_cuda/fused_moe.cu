@@ -100,7 +100,7 @@ void make_params(const __nv_bfloat16* x, const int32_t* sorted_ids, const int32_
   p2.tile_counter = ws.tile_counters + 1;
   p1.b_second = (int)I;  // MXFP8: up rows follow the I gate rows in w (bf16: Bf16Maps::weights2)
   p2.b_second = 128;     // the two 128-row halves of a 256-column tile
-  p1.gate_up = {x, K};
+  p1.gather = {x, K};
   p2.down = {topk_weights, 2 * p1.num_n};  // gemm::HandOff: two consumer warpgroups per gate/up tile
   p1.mx.b_rows = (int)(2 * I);
   p2.mx.b_rows = (int)K;
@@ -155,7 +155,7 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   GemmParams p1, p2;
   make_params(static_cast<const __nv_bfloat16*>(a.x), a.sorted_ids, a.expert_ids, a.ntpp, a.topk_weights, ws, a.M,
               a.K, a.I, a.E, a.L, a.top_k, p1, p2);
-  p1.gate_up.preact = static_cast<uint4*>(a.preact);
+  p1.gather.preact = static_cast<uint4*>(a.preact);
   // pipeline depth x CTA pairs: the four kernel pairs
   const auto gemms = [&](auto paired) {
     constexpr bool kPaired = decltype(paired)::value;

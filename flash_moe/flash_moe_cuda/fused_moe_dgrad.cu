@@ -127,9 +127,9 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   p1.n_out = (int)a.I;
   p1.num_n = (int)((a.I + 255) / 256);
   p1.tile_counter = ws.tile_counters;
-  p1.gate_up.x = static_cast<const __nv_bfloat16*>(a.grad_out);
-  p1.gate_up.lda = a.K;
-  p1.gate_up.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
+  p1.gather.rows = static_cast<const __nv_bfloat16*>(a.grad_out);
+  p1.gather.ld = a.K;
+  p1.gather.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
   p1.down.topk_weights = a.topk_weights;
   p1.dgrad.score_part = ws.score_part;
   err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,

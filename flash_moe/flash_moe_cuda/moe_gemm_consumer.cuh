@@ -257,7 +257,7 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
           }
         }
     }
-    if (kKind == Kind::kGateUp && p.gate_up.preact) store_preact(p, tile, n, acc0, acc1, cw, w4, lane);
+    if (kKind == Kind::kGateUp && p.gather.preact) store_preact(p, tile, n, acc0, acc1, cw, w4, lane);
   }
   held.release(bars, cw);
   if (q == 0) bulk_wait_all();

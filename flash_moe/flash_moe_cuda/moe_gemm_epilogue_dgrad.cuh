@@ -1,5 +1,5 @@
 // The backward's SwiGLU epilogue (kDownDgrad) and the training forward's pre-activation store
-// (kGateUp with GemmParams::gate_up.preact), which meet in one layout (preact_chunk).
+// (kGateUp with GemmParams::gather.preact), which meet in one layout (preact_chunk).
 //
 // kDownDgrad's accumulators hold dh = grad_out[tok(p)] @ W2[e] (without the router weight s)
 // for 256 h features x the tile's tokens. With the saved gate/up pre-activations a, u of the
@@ -37,7 +37,7 @@ __device__ __forceinline__ void store_preact(const GemmParams& p, const Tile& ti
     if (8 * j >= n) break;
     const uint4 v{bf16x2_bits(acc0[4 * j], acc0[4 * j + 1]), bf16x2_bits(acc0[4 * j + 2], acc0[4 * j + 3]),
                   bf16x2_bits(acc1[4 * j], acc1[4 * j + 1]), bf16x2_bits(acc1[4 * j + 2], acc1[4 * j + 3])};
-    p.gate_up.preact[preact_chunk(g, (tile.m0 >> 3) + j, p.L, w4, lane)] = v;
+    p.gather.preact[preact_chunk(g, (tile.m0 >> 3) + j, p.L, w4, lane)] = v;
   }
 }
 
@@ -50,7 +50,7 @@ __device__ __forceinline__ void prefetch_preact(const GemmParams& p, const Tile&
 #pragma unroll
   for (int b = 0; b < 2; ++b)
     if (64 * (g0 + b) < p.n_out)
-      bulk_prefetch_l2(p.gate_up.preact + preact_chunk(g0 + b, tile.m0 >> 3, p.L, 0, 0), (uint32_t)(n / 8) * 2048u);
+      bulk_prefetch_l2(p.gather.preact + preact_chunk(g0 + b, tile.m0 >> 3, p.L, 0, 0), (uint32_t)(n / 8) * 2048u);
 }
 
 // sigmoid(a) with the forward's fast exponential (silu_times): 1 / (1 + 2^(-a log2 e)).
@@ -99,7 +99,7 @@ __device__ __forceinline__ void swiglu_dgrad_epilogue(const GemmParams& p, const
     const int b = pass >> 2, j0 = 4 * (pass & 3);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj)
-      c[jj] = 8 * (j0 + jj) < n ? __ldg(p.gate_up.preact + preact_chunk(g0 + b, J0 + j0 + jj, p.L, w4, lane))
+      c[jj] = 8 * (j0 + jj) < n ? __ldg(p.gather.preact + preact_chunk(g0 + b, J0 + j0 + jj, p.L, w4, lane))
                                 : make_uint4(0u, 0u, 0u, 0u);
   };
   uint4 cur[4];

@@ -40,7 +40,7 @@ struct GatherA {
   }
   __device__ static constexpr bool below_bm(int j, int r) { return j < kFull || r < kBM; }
   __device__ const uint8_t* chunk_src(const GemmParams& p, int sid, bool ok) const {
-    return reinterpret_cast<const uint8_t*>(p.gate_up.x + (ok ? (int64_t)(sid / p.top_k) * p.gate_up.lda : 0) + c * 8);
+    return reinterpret_cast<const uint8_t*>(p.gather.rows + (ok ? (int64_t)(sid / p.top_k) * p.gather.ld : 0) + c * 8);
   }
   // Rows at or past tile.rows belong to the peer CTA's part (or to nothing): zero-filled, and
   // never read by the consumers, which compute at most tile.rows columns.

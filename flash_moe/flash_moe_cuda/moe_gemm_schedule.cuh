@@ -43,14 +43,14 @@ enum NamedBarrier : int {
 };
 
 // The parts of GemmParams that only one GEMM, one weight format or CTA pairs read.
-struct GateUpParams {
-  const __nv_bfloat16* x;  // the token rows (M, K) the gather reads: bf16 (f16 on the MXFP8
-                           // scale-window path: the gather only moves 2-byte values); kDownDgrad:
-                           // grad_out
-  int64_t lda;             // row stride of x (= K)
-  // bf16 gate/up only, when training: the pre-activations in fragment order (PreactLayout), or
-  // null. kDownDgrad reads them.
-  uint4* preact;
+// The token rows the cp.async gather reads by sorted id / top_k (kGateUp: x, kDownDgrad: grad_out),
+// and the pre-activations the training gate/up GEMM writes and kDownDgrad reads, a per-position
+// operand as well.
+struct GatherParams {
+  const __nv_bfloat16* rows;  // (M, K) bf16 (f16 on the MXFP8 scale-window path: the gather only
+                              // moves 2-byte values)
+  int64_t ld;                 // row stride of rows (= K)
+  uint4* preact;              // bf16 training: a, u in fragment order (PreactLayout), or null
 };
 struct DownParams {
   const float* topk_weights;  // (M * top_k,) router weights, one per slot (kDown, kDownDgrad);
@@ -108,7 +108,7 @@ struct GemmParams {
   int* tile_counter;             // tiles claimed so far (zero before the launch)
   int* h_done;                   // per m-block: gate/up warpgroup-tiles whose h is stored (HandOff)
   int b_second;                  // row offset of the second weight box from the first
-  GateUpParams gate_up;
+  GatherParams gather;
   DownParams down;
   DgradParams dgrad;
   Mxfp8Params mx;
