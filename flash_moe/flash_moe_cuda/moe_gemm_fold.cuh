@@ -152,7 +152,7 @@ __device__ inline void fold_topk_sums(const GemmParams& p, const FoldRing& ring)
         const int src0 = __ffs(mask) - 1;
         mask &= mask - 1;
         const int src1 = mask ? __ffs(mask) - 1 : -1;
-        mask &= mask ? mask - 1 : 0u;
+        mask &= mask - 1;  // 0 stays 0
         const int t0 = (int)__reduce_or_sync(0xffffffffu, lane == src0 ? (uint32_t)done_t[q] + 1u : 0u) - 1;
         const int t1 = (int)__reduce_or_sync(0xffffffffu, lane == src1 ? (uint32_t)done_t[q] + 1u : 0u) - 1;
         sum_chunk(p, lane < 16 ? t0 : t1, c, lane & 15);

@@ -329,7 +329,7 @@ __device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sba
 #pragma unroll
     for (int tb = 0; tb < 2; ++tb)
       gemm::put_box<kKind == Kind::kDownWgrad>(pending_boxes() + tb * kBoxBytes, tb, me.w4, lane,
-                                          [&](int a) { return acc1[a]; });
+                                               [&](int a) { return acc1[a]; });
     fence_proxy_async_shared();
     named_barrier_sync(kEpilogueBarrier + cw, 128);
   };

@@ -106,6 +106,13 @@ int64_t check_routing_shapes(const char* op, const at::Tensor& sorted_token_ids,
   return L;
 }
 
+// top_k and the CTA pairs' switch, as every GEMM op takes them.
+void check_top_k_and_bpc(const char* op, int64_t top_k, int64_t bpc) {
+  PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
+           "], got ", top_k);
+  PK_CHECK(bpc == 1 || bpc == 2, op, ": bpc (CTAs per cluster) must be 1 or 2, got ", bpc);
+}
+
 // Rules both fused ops share: tuning arguments, devices, contiguity, routing buffers and the
 // shapes of x / w / w2 / out / topk_weights. The dtypes are each op's own.
 MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& w2,
@@ -119,10 +126,8 @@ MoeDims check_moe_inputs(const char* op, const at::Tensor& x, const at::Tensor& 
   PK_CHECK(block_m == flash_moe::kBlockM, op, ": block_m must be ", flash_moe::kBlockM, ", got ", block_m);
   PK_CHECK(block_n == flash_moe::kBlockN, op, ": block_n must be ", flash_moe::kBlockN, ", got ", block_n);
   PK_CHECK(warp_n == flash_moe::kWarpN, op, ": warp_n must be ", flash_moe::kWarpN, ", got ", warp_n);
-  PK_CHECK(bpc == 1 || bpc == 2, op, ": bpc (CTAs per cluster) must be 1 or 2, got ", bpc);
   PK_CHECK(cpc == 1, op, ": cpc must be 1, got ", cpc);
-  PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
-           "], got ", top_k);
+  check_top_k_and_bpc(op, top_k, bpc);
 
   check_cuda_contig(x, op, xn);
   check_cuda_contig(w, op, wn);
@@ -339,9 +344,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
   PK_CHECK(K > 0 && K % 8 == 0, op, ": x.size(1) (K) must be a positive multiple of 8, got ", K);
   PK_CHECK(E >= 1 && E <= flash_moe::kMaxExperts, op, ": num_experts must be in [1, ", flash_moe::kMaxExperts,
            "], got ", E);
-  PK_CHECK(top_k >= 1 && top_k <= flash_moe::kMaxTopK, op, ": top_k must be in [1, ", flash_moe::kMaxTopK,
-           "], got ", top_k);
-  PK_CHECK(bpc == 1 || bpc == 2, op, ": bpc (CTAs per cluster) must be 1 or 2, got ", bpc);
+  check_top_k_and_bpc(op, top_k, bpc);
   const std::pair<const at::Tensor*, const char*> tensors[] = {
       {&grad_out, "grad_out"}, {&dab, "dab"}, {&sh, "sh"}, {&sorted_token_ids, "sorted_token_ids"},
       {&expert_ids, "expert_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}};
