@@ -266,6 +266,11 @@ def op_alone_by(op_for, iters, keys=(1, 2)):
     return {k: round(min(v), 4) for k, v in times.items()}
 
 
+def indices(text):
+    """The shape indices of a comma-separated --shapes / --backward-shapes ('' for none)."""
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
 def backward_variants(words, timed):
     """The variant keys of the backward's options `words` (of "overlap", "fold") that the
     comma-separated `timed` (--backward-options) names, default first: with timed "bpc=2,fold",
@@ -714,7 +719,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--shapes", default="0,1,2,3,4")
+    ap.add_argument("--shapes", default="0,1,2,3,4", help="SHAPES indices to run the forward rows on ('' for none)")
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--rotate", type=int, default=3)
     ap.add_argument("--commit", default=os.environ.get("PRIME_KERNELS_COMMIT", ""), help="git sha to record (default: git rev-parse HEAD)")
@@ -756,7 +761,7 @@ def main():
     print(f"ceilings: copy {copy:.0f} GB/s, bf16 matmul {mm:.0f} TFLOP/s"
           + (f" ({mm_sustained['tflops']:.0f} back to back)" if mm_sustained else ""))
     rows = []
-    for si in [int(s) for s in args.shapes.split(",")]:
+    for si in indices(args.shapes):
         T, K, I, E, top_k = SHAPES[si]
         flops = 6 * T * top_k * K * I
         g = torch.Generator(device="cuda").manual_seed(si)
@@ -849,7 +854,7 @@ def main():
 
     if args.backward_shapes:
         peer = load_prime_rl_peer()
-        for bi in [int(s) for s in args.backward_shapes.split(",")]:
+        for bi in indices(args.backward_shapes):
             backward_rows(kernel, ref, peer, args, BACKWARD_SHAPES[bi], rows, monitor)
 
     if mx_skip is None:

@@ -136,6 +136,12 @@ def test_backward_variants_time_only_the_options_asked_for(compare):
     assert v(("overlap", "fold"), "") == ("bpc=1",)
 
 
+def test_shape_indices_allow_none(compare):
+    """--shapes '' runs no forward rows (a backward-only run), as --backward-shapes '' runs no backward."""
+    assert compare.indices("0,1, 4") == [0, 1, 4]
+    assert compare.indices("") == []
+
+
 def test_sonicmoe_peer_without_sonicmoe_exits_cleanly(sonicmoe_peer, monkeypatch, tmp_path, capsys):
     """No importable sonicmoe: main says why and returns 0 before touching the GPU or writing."""
     monkeypatch.setitem(sys.modules, "sonicmoe", None)  # `import sonicmoe` raises ImportError
