@@ -253,8 +253,8 @@ def fused_moe_bf16_dgrad(
     x); I % 64 == 0. bpc: 1, or 2 to run the gate/up dgrad GEMM as CTA pairs (as
     `fused_moe_bf16(bpc=2)` runs its GEMMs); the output bits do not depend on it. fold_sum: sum
     grad_x's top_k rows inside the gate/up dgrad (its idle producer warps, as each token's last
-    row lands) instead of in a kernel after it; the same bits. The defaults stay bpc=1,
-    fold_sum=False until the others are measured (flash_moe/DESIGN.md §8.4). Deterministic (no
+    row lands) instead of in a kernel after it; the same bits. fold_sum measured slower
+    at every shape (flash_moe/DESIGN.md §8.4): `moe` never passes it. Deterministic (no
     float atomics), no host synchronisation.
     """
     return ops.fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -291,8 +291,8 @@ def fused_moe_bf16_wgrad(
     output tiles of one expert's rows per pair, sharing the loads of dab or sh; K <= 128, one
     such tile, runs unpaired); the output bits do not depend on it. overlap: store each output
     tile under wgmmas (half of it under its own last k-block, half under the next tile's first)
-    instead of after them; the same bits. The defaults stay bpc=1, overlap=False until the other
-    values are measured (flash_moe/DESIGN.md §8.4).
+    instead of after them; the same bits. overlap measured no faster
+    (flash_moe/DESIGN.md §8.4): `moe` never passes it; its bpc is `functional.backward_bpc`.
     Each output tile is one CTA's (no float atomics): bit-identical run to run; no host
     synchronisation.
     """

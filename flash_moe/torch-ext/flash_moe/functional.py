@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import (fused_moe_bf16, fused_moe_bf16_dgrad, fused_moe_bf16_wgrad, fused_moe_mxfp8, moe_align, preact_numel,
-               quantize_mxfp8)
+               preferred_bpc, quantize_mxfp8)
 
 
 def _live(sorted_ids: torch.Tensor, ntpp: torch.Tensor, n_slots: int):
@@ -105,6 +105,16 @@ def fused_backward_serves(hidden_dim: int) -> bool:
     return hidden_dim % 64 == 0
 
 
+def backward_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int) -> int:
+    """The `bpc` that `moe` gives `fused_backward`: 2 (CTA pairs for the gate/up dgrad and the
+    wgrads) where it measured faster in two runs, dim >= 4096 with experts averaging two blocks or
+    more (-2.6 to -4.5 % at flash_moe/DESIGN.md §8's shapes 3-4); else 1 (level at dim 2048, +7 %
+    with 64 rows an expert). Dims between 2048 and 4096 are unmeasured. Same bits either way."""
+    if dim < 4096:
+        return 1
+    return preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k)
+
+
 def _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact=None):
     """The fused forward on moe_align's `routing`; with `preact`, also the pre-activations
     (bf16 only: the MXFP8 op does not save them)."""
@@ -148,11 +158,11 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
             `fused_moe_bf16(..., preact=)` filled in the forward on the same routing.
         needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
         bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs (same bits; `moe`
-            passes 1 until 2 is measured).
+            passes `backward_bpc` of the shape).
         overlap: the wgrads' epilogues under their wgmmas (`fused_moe_bf16_wgrad`'s; same bits;
-            `moe` passes False until True is measured).
+            measured no faster, flash_moe/DESIGN.md §8.4: `moe` passes False).
         fold_sum: grad_x's top-k sum inside the gate/up dgrad (`fused_moe_bf16_dgrad`'s; same
-            bits; `moe` passes False until True is measured).
+            bits; measured slower everywhere, §8.4: `moe` passes False).
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
     Deterministic (no float atomics), no host synchronisation, CUDA-graph capturable."""
@@ -202,7 +212,8 @@ class _MoE(torch.autograd.Function):
                 preact = torch.empty(preact_numel(sorted_ids.numel(), w1.shape[1]), dtype=torch.bfloat16,
                                      device=x.device)
                 _forward(x, w1, w2, w3, topk_weights, routing, False, preact)
-            grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs)
+            bpc = backward_bpc(x.shape[0], x.shape[1], w1.shape[1], w1.shape[0], ctx.top_k)
+            grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs, bpc=bpc)
         else:
             grads = composed_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, needs)
         gx, gw1, gw2, gw3, gs = grads
