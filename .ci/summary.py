@@ -34,11 +34,10 @@ for results in sorted(out.glob("*/h200.json")):
             rate, frac = f"{row['tflops']:.0f} TF/s", row["tflops"] / ceil["bf16_matmul_TFLOPs"]
         print(f"{row['op']:34} {row['impl']:21} {shape:34} {row['ms']:8.3f} {rate:>12} {frac:10.0%}  "
               f"{back_to_back(row.get('sustained'))}")
-    for row in data["rows"]:  # the backward's options (flash_moe compare.py), each against the default's
-        variants = row.get("backward_ms_by_variant")
-        if variants:
+    for row in data["rows"]:  # the backward at bpc 1 and 2 (flash_moe compare.py)
+        by_bpc = row.get("backward_ms_by_bpc")
+        if by_bpc:
             shape = ",".join(str(v) for v in row["shape"].values())
-            base = variants.get("bpc=1")
-            print(f"backward options {shape}: " + "; ".join(
-                f"{v} {ms:.3f}" + (f" ({ms / base - 1:+.1%})" if base and v != "bpc=1" else "") for v, ms in variants.items())
-                + f"; bits equal: {row.get('bits_equal_across_variants')}")
+            one, two = by_bpc["1"], by_bpc["2"]
+            print(f"backward {shape}: bpc=1 {one:.3f} ms, bpc=2 {two:.3f} ms ({two / one - 1:+.1%}); "
+                  f"moe takes bpc={row.get('bpc')}; bits equal: {row.get('bits_equal_across_bpc')}")

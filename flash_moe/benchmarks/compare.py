@@ -23,12 +23,10 @@ backward as restated in flash_moe/tests/prime_rl_peer.py, the four backward GEMM
 (`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
 memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
 fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
-Our row also records the backward's options, each timed as `op_alone_ms_by_bpc` is: at bpc 1
-and 2 (CTA pairs), with and without `overlap` (the wgrads' epilogues under their wgmmas) and
-`fold` (the top-k sum inside the gate/up dgrad): `fused_moe_bf16_dgrad` by bpc and fold
-(`dgrad_ms_by_variant`), `fused_moe_bf16_wgrad` by bpc and overlap (`wgrad_ms_by_variant`), the
-backward by all three (`backward_ms_by_variant`, `bits_equal_across_variants`); the row's own time
-is the defaults' (bpc 1, neither), what `moe` runs.
+Our row runs the backward at the bpc `moe` takes, `functional.backward_bpc(shape)` (recorded as
+`bpc`), and also records it at bpc 1 and 2 (CTA pairs), each timed as `op_alone_ms_by_bpc` is:
+`fused_moe_bf16_dgrad` (`dgrad_ms_by_bpc`), `fused_moe_bf16_wgrad` (`wgrad_ms_by_bpc`) and the
+backward (`backward_ms_by_bpc`, `bits_equal_across_bpc`).
 
 Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
 
@@ -56,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import pathlib
@@ -271,18 +268,6 @@ def indices(text):
     return [int(s) for s in text.split(",") if s.strip()]
 
 
-def backward_variants(words, timed):
-    """The variant keys of the backward's options `words` (of "overlap", "fold") that the
-    comma-separated `timed` (--backward-options) names, default first: with timed "bpc=2,fold",
-    ("fold",) gives ("bpc=1", "bpc=2", "bpc=1 fold", "bpc=2 fold"). Leaving an option out of
-    `timed` leaves it out of a run (one that fails its tests, say)."""
-    timed = set(timed.split(",")) - {""}
-    words = tuple(w for w in words if w in timed)
-    bpcs = (1, 2) if "bpc=2" in timed else (1,)
-    return tuple(" ".join((f"bpc={b}", *(w for w, on in zip(words, bits) if on)))
-                 for bits in itertools.product((False, True), repeat=len(words)) for b in bpcs)
-
-
 def moe_row(rows, op, impl, shape, ms, err, flop_factor=6, **extra):
     """Record and print one MoE row (docs/DESIGN.md §9 schema) of `shape` (T, K, I, E, top_k); its
     FLOPs are flop_factor * T * top_k * K * I (forward 6, backward 12, both 18); err None: a row that
@@ -479,8 +464,10 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     preact = torch.empty(kernel.preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device="cuda")
     F._forward(x, w1, w2, w3, wt, routing, False, preact)
 
+    bpc = F.backward_bpc(T, K, I, E, top_k)  # what `moe` passes
+
     def ours(i):
-        return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact)
+        return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=bpc)
 
     def leaves_of(i):
         return [t.detach().requires_grad_() for t in inputs]
@@ -498,55 +485,35 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
         lv = leaves_of(i)
         peer.PrimeRlFusedMoE.apply(lv[0], lv[1], lv[2], lv[3], ids, lv[4], E, False).backward(go)
 
-    # The variants of the backward's options (each keeps the default's bits): "bpc=b" plus
-    # "overlap" (the wgrads' epilogues under their wgmmas) and/or "fold" (the top-k sum inside the
-    # gate/up dgrad). The dgrad takes bpc and fold, the wgrad bpc and overlap.
-    def options(v, keys=("overlap", "fold_sum")):
-        words = v.split()
-        flags = {"overlap": "overlap" in words, "fold_sum": "fold" in words}
-        return {"bpc": int(words[0][4:]), **{k: flags[k] for k in keys}}
+    # dgrad, wgrad and the backward at bpc 1 and 2 (the same bits)
+    def dgrad_at(b):
+        return lambda i: kernel.fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt, top_k,
+                                                      bpc=b)
 
-    def variants_of(*words):
-        return backward_variants(words, args.backward_options)
+    _, dab, sh, _ = dgrad_at(1)(0)
 
-    def dgrad_for(v):
-        def call(i):
-            return kernel.fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt, top_k,
-                                               **options(v, ("fold_sum",)))
-        return call
+    def wgrad_at(b):
+        return lambda i: kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k, bpc=b)
 
-    _, dab, sh, _ = dgrad_for("bpc=1")(0)
-    variants = variants_of("overlap", "fold")
+    def backward_at(b):
+        return lambda i: F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=b)
 
-    def wgrad_for(v):
-        def call(i):
-            return kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k,
-                                               **options(v, ("overlap",)))
-        return call
-
-    def backward_for(v):
-        def call(i):
-            return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, **options(v))
-        return call
-
-    dgrad_ms = op_alone_by(dgrad_for, args.iters, variants_of("fold"))
-    wgrad_ms = op_alone_by(wgrad_for, args.iters, variants_of("overlap"))
+    dgrad_ms = op_alone_by(dgrad_at, args.iters)
+    wgrad_ms = op_alone_by(wgrad_at, args.iters)
     del dab, sh
-    backward_ms = op_alone_by(backward_for, args.iters, variants)
-    print(f"{shape} backward: " + "; ".join(f"{v} {ms:.3f}" for v, ms in backward_ms.items()) + " ms", flush=True)
-    print(f"{shape} dgrad: " + "; ".join(f"{v} {ms:.3f}" for v, ms in dgrad_ms.items()) + "; wgrad: " +
-          "; ".join(f"{v} {ms:.3f}" for v, ms in wgrad_ms.items()) + " ms", flush=True)
-    default = backward_for(variants[0])(0)
-    same_bits = all(all(torch.equal(a, b) for a, b in zip(backward_for(v)(0), default)) for v in variants[1:])
+    backward_ms = op_alone_by(backward_at, args.iters)
+    print(f"{shape} backward: bpc=1 {backward_ms[1]:.3f} ms, bpc=2 {backward_ms[2]:.3f} ms (moe takes bpc={bpc}); "
+          f"dgrad {dgrad_ms[1]:.3f} / {dgrad_ms[2]:.3f}; wgrad {wgrad_ms[1]:.3f} / {wgrad_ms[2]:.3f} ms", flush=True)
+    same_bits = all(torch.equal(a, b) for a, b in zip(backward_at(1)(0), backward_at(2)(0)))
     if not same_bits:
-        print(f"{shape} WARNING: the backward's gradients differ between {variants}", flush=True)
+        print(f"{shape} WARNING: the backward's gradients differ between bpc 1 and 2", flush=True)
     errs = errors(ours(0))
     kernels = profile_kernels(ours) if args.profile else None
     sus = monitor.sustained(ours, 12 * T * top_k * K * I) if monitor else None
     moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
-            max(errs.values()), 12, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
-            backward_ms_by_variant=backward_ms, dgrad_ms_by_variant=dgrad_ms, wgrad_ms_by_variant=wgrad_ms,
-            bits_equal_across_variants=same_bits)
+            max(errs.values()), 12, bpc=bpc, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
+            backward_ms_by_bpc=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_bpc=wgrad_ms,
+            bits_equal_across_bpc=same_bits)
     errs_p = errors(prime_rl(0))
     moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, median_ms(prime_rl, args.iters),
             max(errs_p.values()), 12, grad_rel_err_vs_fp32=errs_p,
@@ -730,16 +697,10 @@ def main():
                     help="also run the fused_moe_mxfp8 and quantize_mxfp8 rows (default: on)")
     ap.add_argument("--backward-shapes", default="0,1,2,3,4",
                     help="BACKWARD_SHAPES indices to run the backward rows on ('' for none)")
-    ap.add_argument("--backward-options", default="bpc=2,overlap,fold",
-                    help="the backward's options timed beside its default (bpc=1, no overlap, no fold), "
-                         "comma-separated from bpc=2, overlap, fold; '' times the default alone")
     ap.add_argument("--sustained", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the matmul ceiling and our ops back to back with clock and power "
                          "sampling, recorded as `sustained` (default: on)")
     args = ap.parse_args()
-    unknown = set(args.backward_options.split(",")) - {"", "bpc=2", "overlap", "fold"}
-    if unknown:
-        ap.error(f"--backward-options: {sorted(unknown)} not among bpc=2, overlap, fold")
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 

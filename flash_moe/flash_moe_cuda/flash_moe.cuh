@@ -119,7 +119,6 @@ struct FusedMoeBf16DgradArgs {
   int64_t M, K, I, E, L;
   int top_k;
   int bpc = 1;                // the gate/up dgrad's CTAs per cluster: 1, or 2 (CTA pairs)
-  bool fold_sum = false;      // grad_x summed inside the gate/up dgrad, not by a reduce after it (same bits)
   void* workspace;            // fused_moe_bf16_dgrad_workspace_bytes(...) bytes, 256-byte aligned
 };
 size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);
@@ -149,7 +148,6 @@ struct FusedMoeBf16WgradArgs {
   int64_t M, K, I, E, L;
   int top_k;
   int bpc = 1;                // 1, or 2: both GEMMs as CTA pairs sharing the A operand's loads
-  bool overlap = false;       // each output tile's epilogue under wgmmas (same bits)
   void* workspace;            // fused_moe_bf16_wgrad_workspace_bytes(E, L) bytes, 256-byte aligned
 };
 size_t fused_moe_bf16_wgrad_workspace_bytes(int64_t E, int64_t L);

@@ -7,7 +7,6 @@
 //   score       score[slot] = sum over the partials at pos(slot), in a fixed order       (here)
 //   GEMM2 gate/up dgrad (kGateUpDgrad): dx[p] = dA[p] @ W1[e] + dB[p] @ W3[e] (the down GEMM's roles)
 //   reduce      grad_x[t] = sum_{k ascending} dx[pos(t*top_k + k)]  in fp32            (topk_reduce.cu)
-//               or, with fold_sum, inside GEMM2 by its producer's warps 1-3      (moe_gemm_fold.cuh)
 //
 // Both GEMMs are the forward's kernel (moe_gemm.cuh) with the weights read M-major, one CTA per
 // SM; the gate/up dgrad also as CTA pairs (bpc = 2: the forward's units, each CTA multicasting
@@ -17,8 +16,6 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-
-#include <type_traits>
 
 #include "flash_moe.cuh"
 #include "heuristics.cuh"
@@ -40,31 +37,13 @@ using gemm::Kind;
 // without one. One thread per position, so a part's reads are contiguous across the warp (read
 // per slot, at pos = inv[slot], each 4-byte load took a 32-byte sector of its own); a position
 // is its slot's when inv says so (inverse_kernel's rule: live slot, valid expert, below ntpp).
-// With fold (fold_sum): also, per token, its slots without a position into every chunk's count,
-// and grad_x's row zeroed for a token with none (no tile completes it).
-struct FoldPrep {
-  int* count;  // null: no fold
-  __nv_bfloat16* grad_x;
-  int64_t M, K;
-  int top_k, chunks;
-};
 __global__ void __launch_bounds__(kPositionThreads) score_sum_kernel(const float* __restrict__ part,
                                                                   const int32_t* __restrict__ sorted_ids,
                                                                   const int32_t* __restrict__ inv, int64_t n_slots,
-                                                                  int64_t L, int parts, float* __restrict__ score,
-                                                                  FoldPrep fold) {
-  int64_t items = n_slots > L ? n_slots : L;
-  if (fold.count && fold.M > items) items = fold.M;
+                                                                  int64_t L, int parts, float* __restrict__ score) {
+  const int64_t items = n_slots > L ? n_slots : L;
   for (int64_t i = blockIdx.x * (int64_t)kPositionThreads + threadIdx.x; i < items;
        i += (int64_t)gridDim.x * kPositionThreads) {
-    if (fold.count && i < fold.M) {  // i as a token
-      int dead = 0;
-      for (int k = 0; k < fold.top_k; ++k) dead += inv[i * fold.top_k + k] < 0;
-      for (int c = 0; c < fold.chunks; ++c) fold.count[i * fold.chunks + c] = dead;
-      if (dead == fold.top_k)
-        for (int64_t f = 0; f < fold.K; f += 8)
-          *reinterpret_cast<uint4*>(fold.grad_x + i * fold.K + f) = make_uint4(0, 0, 0, 0);
-    }
     if (i < L) {  // i as a position
       const int sid = sorted_ids[i];
       if (gemm::live_slot(sid, (int)n_slots) && inv[sid] == i) {
@@ -98,8 +77,7 @@ size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int
 }
 
 cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t stream) {
-  // The binding's rules, restated for direct callers (score_sum_kernel's grad_x zeroing stores
-  // 8 features at a time, before the tensor maps would refuse K).
+  // The binding's rules, restated for direct callers (topk_sum reads 8 features at a time).
   if (a.I <= 0 || a.I % 64 != 0 || a.K <= 0 || a.K % 8 != 0 || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
@@ -135,14 +113,11 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
                                 false, stream);
   if (err != cudaSuccess) return err;
-  const int64_t items = n_slots > a.L ? n_slots : a.L;  // positions, slots (and tokens, fewer than slots)
-  const int grid = heuristics::capped_grid(items, kPositionThreads, kPositionCtasPerSm);
+  const int grid = heuristics::capped_grid(n_slots > a.L ? n_slots : a.L, kPositionThreads, kPositionCtasPerSm);
   // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
   // written, and the sum stops before them.
-  const FoldPrep prep{a.fold_sum ? ws.fold_count : nullptr, static_cast<__nv_bfloat16*>(a.grad_x), a.M, a.K, a.top_k,
-                      (int)DgradWorkspace::fold_chunks(a.K)};
   score_sum_kernel<<<grid, kPositionThreads, 0, stream>>>(ws.score_part, a.sorted_ids, ws.inv, n_slots, a.L,
-                                                           (int)(a.I / 16), a.score, prep);
+                                                           (int)(a.I / 16), a.score);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   // GEMM2: dA|dB rows by TMA, w M-major; dx slots out.
@@ -168,17 +143,11 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
     err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, ws.block_live, ws.units, ws.num_units, stream);
     if (err != cudaSuccess) return err;
   }
-  if (a.fold_sum) p2.fold = {ws.fold_count, ws.inv, static_cast<__nv_bfloat16*>(a.grad_x), prep.chunks};
-  const auto launch_gate_up = [&](auto paired, auto fold) {
-    constexpr bool kPaired = decltype(paired)::value, kFold = decltype(fold)::value;
-    return host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, kPaired, kFold>,
-                                   smem, gate_up, p2, false, kPaired, stream);
-  };
-  using std::false_type, std::true_type;
-  err = a.bpc == 2 ? (a.fold_sum ? launch_gate_up(true_type{}, true_type{}) : launch_gate_up(true_type{}, false_type{}))
-                   : (a.fold_sum ? launch_gate_up(false_type{}, true_type{})
-                                 : launch_gate_up(false_type{}, false_type{}));
-  if (err != cudaSuccess || a.fold_sum) return err;  // folded: grad_x is summed already
+  err = a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, true>, smem,
+                                             gate_up, p2, false, true, stream)
+                   : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem,
+                                             gate_up, p2, false, false, stream);
+  if (err != cudaSuccess) return err;
   return topk_sum(ws.dx, ws.inv, a.grad_x, a.M, a.K, a.top_k, true, stream);
 }
 

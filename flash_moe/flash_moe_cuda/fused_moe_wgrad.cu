@@ -54,26 +54,21 @@ __global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const in
 
 // bpc = 2: CTA pairs, each taking two B tiles of one claim (wgrad::claim_tile<true>); with a
 // single B tile (K <= 128) every pair's second CTA would idle, so those calls run unpaired.
-// overlap: each tile's epilogue under wgmmas (wgrad::consume_overlapped). The gate/up wgrad is a
-// programmatic dependent launch after the down wgrad: the two touch disjoint memory, and what
-// both read was complete before the down wgrad started, so it waits for the down wgrad only at its
-// end (so that its completion implies the down wgrad's) and fills the SMs the down wgrad's last
-// tiles leave idle.
-template <wgrad::Kind kKind, bool kOverlap>
+// The gate/up wgrad is a programmatic dependent launch after the down wgrad: the two touch
+// disjoint memory, and what both read was complete before the down wgrad started, so it waits
+// for the down wgrad only at its end (so that its completion implies the down wgrad's) and fills
+// the SMs the down wgrad's last tiles leave idle.
+template <wgrad::Kind kKind>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, cudaStream_t stream) {
   constexpr int kSmem = wgrad::Plan<kWgradStages>::kLaunchBytes;
   constexpr bool kAfterPrevious = kKind == wgrad::Kind::kGateUpWgrad;
   if (p.b_tiles < 2) bpc = 1;
   const int64_t claims = (int64_t)p.E * p.a_tiles * (bpc == 2 ? (p.b_tiles + 1) / 2 : p.b_tiles);
   if (bpc == 2)
-    return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, true, kOverlap>, kSmem, claims,
+    return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, true>, kSmem, claims,
                                          kAfterPrevious, true, stream, tm, p);
-  return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, false, kOverlap>, kSmem, claims,
+  return host::launch_persistent_tiles(wgrad::moe_wgrad_kernel<kKind, kWgradStages, false>, kSmem, claims,
                                        kAfterPrevious, false, stream, tm, p);
-}
-template <wgrad::Kind kKind>
-cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, bool overlap, cudaStream_t stream) {
-  return overlap ? launch_wgrad<kKind, true>(tm, p, bpc, stream) : launch_wgrad<kKind, false>(tm, p, bpc, stream);
 }
 
 }  // namespace
@@ -117,7 +112,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p1.m_a = (int)a.I;
   p1.a_tiles = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p1.tile_counter = ws.tile_counters;
-  if ((err = launch_wgrad<wgrad::Kind::kDownWgrad>(down, p1, a.bpc, a.overlap, stream)) != cudaSuccess) return err;
+  if ((err = launch_wgrad<wgrad::Kind::kDownWgrad>(down, p1, a.bpc, stream)) != cudaSuccess) return err;
 
   wgrad::Params p2 = p;
   p2.b_rows = static_cast<const __nv_bfloat16*>(a.x);
@@ -125,7 +120,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p2.split = (int)a.I;
   p2.a_tiles = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
   p2.tile_counter = ws.tile_counters + 1;
-  return launch_wgrad<wgrad::Kind::kGateUpWgrad>(gate_up, p2, a.bpc, a.overlap, stream);
+  return launch_wgrad<wgrad::Kind::kGateUpWgrad>(gate_up, p2, a.bpc, stream);
 }
 
 }  // namespace flash_moe

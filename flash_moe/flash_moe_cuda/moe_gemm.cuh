@@ -16,8 +16,6 @@
 //                                for TMA stores (stmatrix .trans)
 //   moe_gemm_epilogue_dgrad.cuh  kDownDgrad: the SwiGLU backward, score partials, r*h; the
 //                                forward's pre-activation store (training)
-//   moe_gemm_fold.cuh            kGateUpDgrad with fold_sum: grad_x's top-k sum by the
-//                                producer's idle warps
 //   moe_gemm_consumer_mxfp8.cuh  MXFP8: weights dequantized in registers, stores from registers
 //   moe_gemm_epilogue_mxfp8.cuh  MXFP8: its h and Y stores
 //
@@ -73,9 +71,8 @@ template <Weights kW>
 using GemmMaps = std::conditional_t<kW == Weights::kBf16, Bf16Maps, Mxfp8Maps>;
 
 // kPaired: launched in clusters of 2 CTAs (bpc = 2) that walk the same units in step; see Tile's
-// kMulticast / kIdle, TileSlots and Barriers::release for what the pair shares. kFold
-// (kGateUpDgrad): the top-k sum of grad_x by the producer's warps 1-3 (moe_gemm_fold.cuh).
-template <Weights kW, Kind kKind, int kStages, bool kPaired = false, bool kFold = false>
+// kMulticast / kIdle, TileSlots and Barriers::release for what the pair shares.
+template <Weights kW, Kind kKind, int kStages, bool kPaired = false>
 __global__ void __launch_bounds__(kThreads, 1)
     moe_gemm_kernel(const __grid_constant__ GemmMaps<kW> tm, const GemmParams p) {
   using Plan = StagePlan<kW, kStages>;
@@ -96,7 +93,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(bars.empty(s), Barriers<kStages>::empty_arrivals(kPaired));  // one arrive per consumer warp
     }
     slots.init_barriers();
-    if constexpr (kFold) FoldRing{sbase + Plan::kFoldOffset}.init_barriers();
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // A pair's CTAs arrive on and load into each other's barriers and stages: both must be set up.
@@ -113,20 +109,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // setmaxnreg.inc would wait forever).
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-    if constexpr (kFold) {
-      static_assert(kW == Weights::kBf16 && kKind == Kind::kGateUpDgrad, "the top-k sum folds into the gate/up dgrad");
-      if (threadIdx.x >= 32)  // warps 1-3: thread 0 alone issues this GEMM's loads
-        fold_topk_sums(p, FoldRing{sbase + Plan::kFoldOffset});
-      else
-        produce_bf16<kKind, kStages>(tm, p, sbase, bars, slots, nk);
-    } else if constexpr (kW == Weights::kBf16)
+    if constexpr (kW == Weights::kBf16)
       produce_bf16<kKind, kStages>(tm, p, sbase, bars, slots, nk);
     else
       produce_mxfp8<kKind, kStages>(tm.tokens, tm.weights, p, sbase, bars, slots, nk);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     if constexpr (kW == Weights::kBf16)
-      consume_bf16<kKind, kStages, kFold>(&tm.out, &tm.out_rows, &tm.out2, p, sbase, bars, slots, nk);
+      consume_bf16<kKind, kStages>(&tm.out, &tm.out_rows, &tm.out2, p, sbase, bars, slots, nk);
     else
       consume_mxfp8<kKind, kStages, kW == Weights::kMxfp8Window ? RsType::kF16 : RsType::kBf16>(p, sbase, bars,
                                                                                                slots, nk);

@@ -10,7 +10,6 @@
 
 #include "moe_gemm_epilogue.cuh"
 #include "moe_gemm_epilogue_dgrad.cuh"
-#include "moe_gemm_fold.cuh"
 #include "moe_gemm_stages.cuh"
 
 namespace flash_moe {
@@ -89,13 +88,10 @@ __device__ __forceinline__ int feature(const Tile& t, int cw, int block, int r) 
 // (the producer is then kStages - 1 ahead). Tokens kBM.. of a longer tile are stored from
 // registers.
 // kDownDgrad: out stores dA|dB, out2 s*h, in 32-row boxes (DgradBoxes, kDgradStoreRows).
-// kFold (kGateUpDgrad): each tile's rows handed to the top-k summing warps one tile late
-// (FoldPublisher, moe_gemm_fold.cuh).
-template <Kind kKind, int kStages, bool kFold = false>
+template <Kind kKind, int kStages>
 __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows, const CUtensorMap* out2,
                              const GemmParams& p, uint32_t sbase,
                              const Barriers<kStages>& bars, const TileSlots& slots, int nk) {
-  static_assert(!kFold || kKind == Kind::kGateUpDgrad, "the top-k sum folds into the gate/up dgrad");
   using Plan = SmemPlan<kStages>;
   constexpr int kExtra = kMaxRows - kBM;
   const ConsumerThread me;
@@ -105,8 +101,6 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
   zero_fill(acc0);
   zero_fill(acc1);
   HandOff handoff;
-  FoldPublisher fold;
-  const FoldRing ring{sbase + Plan::kFoldOffset};
   uint32_t it;  // stages taken so far
   HeldStage<kStages> held;
   Tile prefetch_tile{-1, 0, 0};  // kDownDgrad: the tile whose pre-activations go to L2 (its N is kN)
@@ -198,13 +192,6 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
       handoff.pending = tile.group;
       handoff.pending_regs = n > kBM;
     }
-    if constexpr (kFold) {
-      fold.flush(ring, cw, kTileBarrier + cw);
-      fold.m0 = tile.m0;
-      fold.rows = n;
-      fold.nb = tile.nb;
-      fold.regs = n > kBM;
-    }
     // Box i = block * nt + tb of the tile: feature block `block`, tokens 64 tb.. (nt = 1 or 2
     // token halves).
     constexpr int kBlocks = kKind == Kind::kGateUp ? 1 : 2;  // 64-feature blocks this warpgroup stores
@@ -262,7 +249,6 @@ __device__ void consume_bf16(const CUtensorMap* out, const CUtensorMap* out_rows
   held.release(bars, cw);
   if (q == 0) bulk_wait_all();
   if (kKind == Kind::kGateUp) handoff.flush<true>(p, kTileBarrier + cw);
-  if constexpr (kFold) fold.finish(ring, cw, kTileBarrier + cw);
 }
 
 }  // namespace gemm

@@ -15,8 +15,7 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-// The top-k sums' accumulate (reduce_kernel, and the fold's summing warps): 8 bf16 added into 8
-// fp32 in order. One definition, so both sums give the same bits.
+// The top-k sum's accumulate (topk_reduce.cu's reduce_kernel): 8 bf16 added into 8 fp32 in order.
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
   const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll

@@ -82,13 +82,6 @@ struct PairParams {
   const int2* units;
   const int32_t* num_units;
 };
-// kGateUpDgrad with the top-k sum folded in (moe_gemm_fold.cuh); unused otherwise.
-struct FoldParams {
-  int* count;                // (M, chunks): per token and 128-feature chunk, rows stored so far
-  const int32_t* inv;        // (M * top_k,) each slot's position, -1 without one
-  __nv_bfloat16* grad_x;     // (M, n_out)
-  int chunks;                // ceil(n_out / 128)
-};
 
 // One GEMM launch: the routing, shape and schedule every launch reads, then the role's, the
 // format's and the pairs' own parts.
@@ -113,7 +106,6 @@ struct GemmParams {
   DgradParams dgrad;
   Mxfp8Params mx;
   PairParams pairs;
-  FoldParams fold;
 };
 
 // A sorted id that names a routing slot; anything else (the padding sentinel n_slots, or a
@@ -351,7 +343,7 @@ struct TileSlots {
 
 // ---------------------------------------------------------------- published stores
 // All 128 threads of a consumer warpgroup, before its thread 0 publishes a tile's output to other
-// threads by a flag (HandOff's count, the top-k fold's ring): every thread's register stores
+// threads by a flag (HandOff's count): every thread's register stores
 // (`regs`, or always without kTmaStores) fenced, and thread 0's TMA bulk stores (kTmaStores)
 // landed and ordered before its generic-proxy accesses.
 template <bool kTmaStores>

@@ -8,12 +8,6 @@
 namespace flash_moe {
 namespace gemm {
 
-// kGateUpDgrad with the top-k sum folded in: the ring its consumers hand tiles to the summing
-// warps through (gemm::FoldRing, moe_gemm_fold.cuh), kFoldSlots entries of 32 bytes and two
-// mbarriers each. Every bf16 plan has room for it (192 bytes).
-constexpr int kFoldSlots = 4;
-constexpr int kFoldRingBytes = kFoldSlots * 32 + 2 * kFoldSlots * 8;
-
 // bf16 path: a stage is the token tile -- up to kMaxRows rows, 16 more than an m-block for a
 // CTA pair's longer part (Tile) -- and two 128-row weight boxes.
 // With four stages there is room for one 64 x 64 output box per consumer warpgroup (the
@@ -31,8 +25,7 @@ struct SmemPlan {
   static constexpr int kWtOffset = kEpiOffset + kEpiBytes;  // per consumer: kTokenRows floats
   static constexpr int kBarOffset = kWtOffset + 2 * kTokenRows * 4;
   static constexpr int kSlotOffset = kBarOffset + 2 * kStages * 8;
-  static constexpr int kFoldOffset = kSlotOffset + TileSlots::bytes(kStages);  // kGateUpDgrad's FoldRing
-  static constexpr int kBytes = kFoldOffset + kFoldRingBytes;
+  static constexpr int kBytes = kSlotOffset + TileSlots::bytes(kStages);
   static constexpr int kLaunchBytes = kBytes + 1024;  // slack for the 1024-byte alignment
   static_assert(kLaunchBytes <= 227 * 1024, "fits an SM's shared memory");
 };

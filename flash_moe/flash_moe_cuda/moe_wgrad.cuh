@@ -207,36 +207,31 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
 }
 
 // ---------------------------------------------------------------- consumers
-// The TMA store of output box (block, tb) of the consumer warpgroup's tile from `box` (see
-// store_box), by thread 0 of the warpgroup: one bulk group per box, committed even when the box
-// lies past the output or `store` is false (a pair's idle CTA).
-template <Kind kKind>
-__device__ __forceinline__ void issue_box_store(const Maps& tm, const Params& p, int cw, const Tile& tile,
-                                                uint32_t box, int block, int tb, bool store = true) {
-  const int fa = kTileM * tile.a_tile + 128 * cw + 64 * block, fb = kTileN * tile.b_tile + 64 * tb;
-  if (store && fa < p.m_a && fb < p.n_b) {
-    if constexpr (kKind == Kind::kDownWgrad)
-      tma_store_3d(&tm.out, box, fa, fb, tile.e);  // grad_W2[e][fb..][fa..]
-    else if (fa < p.split)
-      tma_store_3d(&tm.out, box, fb, fa, tile.e);  // grad_W1[e][fa..][fb..]
-    else
-      tma_store_3d(&tm.out2, box, fb, fa - p.split, tile.e);
-  }
-  bulk_commit_group();
-}
 // One 64 x 64 output box of the consumer warpgroup's tile: A features 64 block.. of its 128 (acc,
 // that block's accumulators), B features 64 tb..; put in shared memory at `boxes` + tb * 8 KB and
-// stored by TMA.
+// stored by TMA (thread 0 of the warpgroup; one bulk group per box, committed even when the box
+// lies past the output).
 template <Kind kKind>
 __device__ __forceinline__ void store_box(const Maps& tm, const Params& p, const gemm::ConsumerThread& me,
                                           const Tile& tile, uint32_t boxes, int block, int tb,
-                                          const float (&acc)[kWgmmaAccRegs], bool store = true) {
-  const int cw = me.cw, w4 = me.w4, lane = me.lane;
+                                          const float (&acc)[kWgmmaAccRegs]) {
+  const int cw = me.cw;
   const uint32_t box = boxes + tb * kBoxBytes;
-  gemm::put_box<kKind == Kind::kDownWgrad>(box, tb, w4, lane, [&](int a) { return acc[a]; });
+  gemm::put_box<kKind == Kind::kDownWgrad>(box, tb, me.w4, me.lane, [&](int a) { return acc[a]; });
   fence_proxy_async_shared();
   named_barrier_sync(kEpilogueBarrier + cw, 128);
-  if ((threadIdx.x & 127) == 0) issue_box_store<kKind>(tm, p, cw, tile, box, block, tb, store);
+  if ((threadIdx.x & 127) == 0) {
+    const int fa = kTileM * tile.a_tile + 128 * cw + 64 * block, fb = kTileN * tile.b_tile + 64 * tb;
+    if (fa < p.m_a && fb < p.n_b) {
+      if constexpr (kKind == Kind::kDownWgrad)
+        tma_store_3d(&tm.out, box, fa, fb, tile.e);  // grad_W2[e][fb..][fa..]
+      else if (fa < p.split)
+        tma_store_3d(&tm.out, box, fb, fa, tile.e);  // grad_W1[e][fa..][fb..]
+      else
+        tma_store_3d(&tm.out2, box, fb, fa - p.split, tile.e);
+    }
+    bulk_commit_group();
+  }
 }
 
 // An idle CTA of a pair (kIdle) waits for and releases its tile's stages, computing and storing
@@ -298,147 +293,8 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
   if (q == 0) bulk_wait_all();
 }
 
-// The same tiles with each tile's epilogue under wgmmas (overlap = 1): block 0's boxes are
-// stored (into the warpgroup's own boxes) while block 1's last wgmmas run, and block 1's (over
-// its A blocks in the held stage) while the next tile's first block-0 wgmmas run. Without it the
-// tensor cores wait for all four boxes at every tile: about a stage per tile (DESIGN.md §8.2).
-// Each block's k16 steps in the same order: the same sums, the same bits. `pending`: the tile
-// whose block 1 is still to be stored, before anything else touches acc1 or the held stage goes.
-//
-// ptxas serialises every wgmma of the kernel when an accumulator is read where it cannot prove
-// the wgmmas writing it done, or when code between two wgmmas branches (C7514, C7518, C7520):
-// so the first and the last k-block are peeled out of the loop, and the commit groups at each
-// read are the same on every path (the last group before a block-0 read is block 1's).
-template <Kind kKind, int kStages, bool kPaired>
-__device__ void consume_overlapped(const Maps& tm, const Params& p, uint32_t sbase,
-                                   const gemm::Barriers<kStages>& bars, const gemm::TileSlots& slots) {
-  using P = Plan<kStages>;
-  const gemm::ConsumerThread me;
-  const int cw = me.cw, lane = me.lane;
-  float acc0[kWgmmaAccRegs], acc1[kWgmmaAccRegs];
-  gemm::zero_fill(acc0);
-  gemm::zero_fill(acc1);
-  uint32_t it = 0;
-  gemm::HeldStage<kStages> held;  // its two A blocks take block 1's boxes
-  const uint32_t own = sbase + P::kEpiOffset + (2 * cw) * kBoxBytes;  // block 0's boxes
-  Tile pending{-1, 0, 0, 0, 0};
-  // Block 1's boxes in two steps, so that nothing between two wgmmas branches on the thread:
-  // every thread puts its values (put_pending), then thread 0 issues the stores (issue_pending).
-  const auto pending_boxes = [&] { return sbase + held.stage * P::kStageBytes + (2 * cw) * kBoxBytes; };
-  const auto put_pending = [&] {
-#pragma unroll
-    for (int tb = 0; tb < 2; ++tb)
-      gemm::put_box<kKind == Kind::kDownWgrad>(pending_boxes() + tb * kBoxBytes, tb, me.w4, lane,
-                                               [&](int a) { return acc1[a]; });
-    fence_proxy_async_shared();
-    named_barrier_sync(kEpilogueBarrier + cw, 128);
-  };
-  const auto issue_pending = [&] {
-    if ((threadIdx.x & 127) == 0)
-#pragma unroll
-      for (int tb = 0; tb < 2; ++tb)
-        issue_box_store<kKind>(tm, p, cw, pending, pending_boxes() + tb * kBoxBytes, 1, tb);
-    pending.e = -1;
-  };
-  const auto store_pending = [&] {
-    if (pending.e < 0) return;
-    put_pending();
-    issue_pending();
-  };
-  // The stage of the tile's k-block at `it`; waited for.
-  const auto take = [&](uint32_t at) {
-    mbar_wait(bars.full(at % kStages), (at / kStages) & 1);
-    return sbase + (at % kStages) * P::kStageBytes;
-  };
-  // One k-block's wgmmas: a commit group of both blocks, interleaved (mma_both), or one group
-  // per block (mma_block); a k16 step is 16 rows of 128 bytes.
-  const auto mma = [&](float(&acc)[kWgmmaAccRegs], uint32_t stage, int block, bool first, int kk) {
-    const uint32_t a = stage + (2 * cw + block) * kBoxBytes, b = stage + P::kABytes;
-    wgmma_ss_bf16<kTileN, true, true>(acc, make_desc_sw128_mn(a + kk * 2048), make_desc_sw128_mn(b + kk * 2048),
-                                      (!first || kk > 0) ? 1 : 0);
-  };
-  const auto mma_both = [&](uint32_t stage, bool first) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk) mma(acc0, stage, 0, first, kk), mma(acc1, stage, 1, first, kk);
-    wgmma_commit();
-  };
-  const auto mma_block = [&](float(&acc)[kWgmmaAccRegs], uint32_t stage, int block, bool first) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk) mma(acc, stage, block, first, kk);
-    wgmma_commit();
-  };
-
-  for (;;) {
-    const Tile tile = gemm::TileSlots::get_lane0<Tile>(slots.stage((take(it), it % kStages)));
-    if (tile.e < 0) break;
-    const int nk = __shfl_sync(0xffffffffu, k_blocks(tile.rows), 0);  // warp-uniform (see ConsumerThread)
-    // A pair's idle CTA computes on whatever its stages hold (its B rows are not gathered) and
-    // stores nothing: a path of its own for idle tiles made ptxas move every wgmma descriptor
-    // through R2UR (~200 per kernel).
-    const bool store = !(kPaired && (tile.flags & gemm::kIdle));
-    if (nk == 0) {  // an expert without rows: its gradient is zero, one stage (taken above) without data
-      store_pending();
-      held.release(bars, cw);
-      ++it;
-      held.hold_last(it);
-      // Zeroed and stored here, not after the merge with the wgmma path, where acc1 is still
-      // being written (its copies would serialise the wgmmas).
-      gemm::zero_fill(acc0);
-      gemm::zero_fill(acc1);
-#pragma unroll
-      for (int tb = 0; tb < 2; ++tb) store_box<kKind>(tm, p, me, tile, own, 0, tb, acc0, store);
-    } else {
-      // k-block 0: block 0, then (if pending) the previous tile's block 1 put into its boxes,
-      // then block 1; apart also when it is the last.
-      uint32_t stage = take(it);
-      if (pending.e >= 0) {
-        mma_block(acc0, stage, 0, true);
-        // Waits for nothing (every path ends a tile with hold_last's wait<0>): it tells ptxas that
-        // block 1's wgmmas are done, which it does not see across the loop and would make sure
-        // of by a full wait here.
-        wgmma_wait<1>();
-        put_pending();  // reads acc1 while block 0's wgmmas run
-        mma_block(acc1, stage, 1, true);
-        issue_pending();
-      } else if (nk == 1) {
-        mma_block(acc0, stage, 0, true);
-        mma_block(acc1, stage, 1, true);
-      } else {
-        mma_both(stage, true);
-      }
-      held.release(bars, cw);  // the previous tile's stage, once block 1's stores have read it
-      ++it;
-      for (int kb = 1; kb < nk - 1; ++kb, ++it) {
-        mma_both(take(it), false);
-        wgmma_wait<1>();  // k-block kb - 1's groups are done
-        if (lane == 0) bars.release((it - 1) % kStages);
-      }
-      if (nk > 1) {  // the last k-block, its blocks apart
-        stage = take(it);
-        mma_block(acc0, stage, 0, false);
-        mma_block(acc1, stage, 1, false);
-        wgmma_wait<2>();
-        if (lane == 0) bars.release((it - 1) % kStages);
-        ++it;
-      }
-      wgmma_wait<1>();  // block 0 done; block 1's last wgmmas may still run
-#pragma unroll
-      for (int tb = 0; tb < 2; ++tb) store_box<kKind>(tm, p, me, tile, own, 0, tb, acc0, store);
-      held.hold_last(it);  // block 1 done
-    }
-    pending = tile;
-    if (!store) pending.e = -1;
-  }
-  store_pending();
-  held.release(bars, cw);
-  if ((threadIdx.x & 127) == 0) bulk_wait_all();
-}
-
-// kPaired: launched in clusters of 2 CTAs (bpc = 2); see the header. kOverlap: epilogues under
-// wgmmas (consume_overlapped).
-template <Kind kKind, int kStages, bool kPaired = false, bool kOverlap = false>
+// kPaired: launched in clusters of 2 CTAs (bpc = 2); see the header.
+template <Kind kKind, int kStages, bool kPaired = false>
 __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_constant__ Maps tm, const Params p) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t sbase = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -468,10 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_wgrad_kernel(const __grid_con
     produce<kStages, kPaired>(tm, p, sbase, bars, slots);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-    if constexpr (kOverlap)
-      consume_overlapped<kKind, kStages, kPaired>(tm, p, sbase, bars, slots);
-    else
-      consume<kKind, kStages, kPaired>(tm, p, sbase, bars, slots);
+    consume<kKind, kStages, kPaired>(tm, p, sbase, bars, slots);
   }
   // No CTA of a pair leaves while its peer may still arrive on its barriers.
   if (kPaired) cluster_sync();

@@ -9,7 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "moe_gemm_fold.cuh"
 #include "moe_gemm_schedule.cuh"
 
 namespace flash_moe {
@@ -119,19 +118,16 @@ struct Workspace : RoutingRegions {
 
 // fused_moe_bf16_dgrad's: dx slots (L, K) bf16; the score partials; inv; the counters (the two
 // tile counters, then h_done and block_live per m-block: slot_positions writes block_live, and the
-// GEMMs' HandOff, unused here, needs its h_done); the CTA pairs' units, as the forward's; fold_sum's
-// count per token and 128-feature chunk (gemm::FoldParams), set by score_sum_kernel.
+// GEMMs' HandOff, unused here, needs its h_done); the CTA pairs' units, as the forward's.
 struct DgradWorkspace : RoutingRegions {
-  enum Region { kDx, kScorePart, kInv, kCounters, kUnits, kFoldCount, kRegions };
+  enum Region { kDx, kScorePart, kInv, kCounters, kUnits, kRegions };
   // Score partials per position: 2 consumer warpgroups x 2 blocks x 4 warps per 256-feature n-block.
   static int64_t score_parts(int64_t I) { return 16 * ((I + 255) / 256); }
   static int64_t counter_ints(int64_t L) { return kTileCounterInts + 2 * WorkspaceLayout::blocks(L); }
-  static int64_t fold_chunks(int64_t K) { return (K + gemm::kFoldChunk - 1) / gemm::kFoldChunk; }
   static RegionTable<kRegions> table(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
     const int64_t blocks = WorkspaceLayout::blocks(L);
     return RegionTable<kRegions>({(size_t)(L * K * 2), (size_t)(score_parts(I) * L * 4), (size_t)(M * top_k * 4),
-                                  (size_t)counter_ints(L) * 4, (size_t)(2 * blocks + 1) * 4,
-                                  (size_t)(M * fold_chunks(K) * 4)});
+                                  (size_t)counter_ints(L) * 4, (size_t)(2 * blocks + 1) * 4});
   }
   static size_t bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
     return table(M, K, I, L, top_k).offset[kRegions];
@@ -139,7 +135,6 @@ struct DgradWorkspace : RoutingRegions {
 
   __nv_bfloat16* dx;
   float* score_part;
-  int32_t* fold_count;
 
   DgradWorkspace(void* base, int64_t M, int64_t K, int64_t I, int64_t L, int top_k)
       : DgradWorkspace(static_cast<uint8_t*>(base), table(M, K, I, L, top_k), M * top_k, L) {}
@@ -150,7 +145,6 @@ struct DgradWorkspace : RoutingRegions {
                        kTileCounterInts, L) {
     dx = reinterpret_cast<__nv_bfloat16*>(b + t.offset[kDx]);
     score_part = reinterpret_cast<float*>(b + t.offset[kScorePart]);
-    fold_count = reinterpret_cast<int32_t*>(b + t.offset[kFoldCount]);
   }
 };
 

@@ -7,9 +7,7 @@
 Covers: the forward at bpc 1 and 2 (CTA pairs) writing the pre-activations, with w1|w3 concatenated
 and as two tensors; kDownDgrad + kGateUpDgrad and both wgrads at the same bpcs (2: the gate/up
 dgrad and the wgrads as CTA pairs, the wgrads with an idle CTA at K = 320; at K = 64 they run
-unpaired), the wgrads with and without their epilogues under wgmmas (overlap), the dgrad with the
-top-k sum folded into its gate/up GEMM (fold_sum); -1 ids. The second shape has one k-block
-per tile (K = 64), and at I = 256 every tile starts in stage 0 (k-blocks a multiple of the stages),
+unpaired); -1 ids. The second shape has one k-block per tile (K = 64), and at I = 256 every tile starts in stage 0 (k-blocks a multiple of the stages),
 the case where racecheck once reported the tile-slot hand-off (flash_moe/DESIGN.md §8.1 (g)).
 """
 
@@ -37,11 +35,8 @@ def training_calls(M, K, I, bpcs, seed):
         fm.fused_moe_bf16(x, w1, w2, s, e, n, wts, torch.empty_like(x), TOP_K, bpc=bpc, preact=pre, w3=w3)
     grads = []
     for bpc in bpcs:
-        grads.append(fm.fused_moe_bf16_dgrad(g, w1, w3, w2, pre, s, e, n, wts, TOP_K, bpc=bpc, fold_sum=True)[0])
         data_grads = list(fm.fused_moe_bf16_dgrad(g, w1, w3, w2, pre, s, e, n, wts, TOP_K, bpc=bpc))
-        for overlap in (False, True):
-            grads += list(fm.fused_moe_bf16_wgrad(x, g, data_grads[1], data_grads[2], s, e, n, E, TOP_K, bpc=bpc,
-                                                  overlap=overlap))
+        grads += list(fm.fused_moe_bf16_wgrad(x, g, data_grads[1], data_grads[2], s, e, n, E, TOP_K, bpc=bpc))
         grads += data_grads
     return grads
 

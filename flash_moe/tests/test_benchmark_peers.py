@@ -124,18 +124,6 @@ def test_backward_gemms_row_computes_the_four_gemms(compare):
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * max(1.0, scale))
 
 
-def test_backward_variants_time_only_the_options_asked_for(compare):
-    """Every combination of the asked-for options, the default ("bpc=1") first; an option left out
-    of --backward-options is never timed."""
-    v = compare.backward_variants
-    assert v(("overlap", "fold"), "bpc=2,overlap,fold") == (
-        "bpc=1", "bpc=2", "bpc=1 fold", "bpc=2 fold", "bpc=1 overlap", "bpc=2 overlap",
-        "bpc=1 overlap fold", "bpc=2 overlap fold")
-    assert v(("fold",), "bpc=2,overlap") == ("bpc=1", "bpc=2")
-    assert v(("overlap", "fold"), "fold") == ("bpc=1", "bpc=1 fold")
-    assert v(("overlap", "fold"), "") == ("bpc=1",)
-
-
 def test_shape_indices_allow_none(compare):
     """--shapes '' runs no forward rows (a backward-only run), as --backward-shapes '' runs no backward."""
     assert compare.indices("0,1, 4") == [0, 1, 4]

@@ -115,12 +115,9 @@ def test_bit_identical_repeats(kernel):
             assert torch.equal(a, b)
 
 
-def test_fused_backward_bits_do_not_depend_on_its_options(kernel):
-    """`fused_backward(bpc=2)` (the gate/up dgrad and the wgrads as CTA pairs),
-    `fused_backward(overlap=True)` (the wgrads' epilogues under their wgmmas) and
-    `fused_backward(fold_sum=True)` (the top-k sum inside the gate/up dgrad), alone and together,
-    return the default's bits, with fp32 master weights, -1 ids and experts of one to several
-    m-blocks."""
+def test_fused_backward_bits_do_not_depend_on_bpc(kernel):
+    """`fused_backward(bpc=2)` (the gate/up dgrad and the wgrads as CTA pairs) returns bpc 1's
+    bits, with fp32 master weights, -1 ids and experts of one to several m-blocks."""
     F_ = kernel.functional
     M, K, I, E, top_k = 1500, 1024, 512, 16, 4
     x, w1, w2, w3, ids, scores, g = _inputs(M, K, I, E, top_k, seed=13, wdtype=torch.float32, drop=0.1)
@@ -128,13 +125,9 @@ def test_fused_backward_bits_do_not_depend_on_its_options(kernel):
     preact = torch.empty(kernel.preact_numel(routing[0].numel(), I), dtype=torch.bfloat16, device="cuda")
     F_._forward(x, w1, w2, w3, scores, routing, False, preact)
     single = F_.fused_backward(g, x, w1, w2, w3, scores, routing, preact)
-    for bpc in (1, 2):
-        for overlap in (False, True):
-            for fold in (False, True):
-                other = F_.fused_backward(g, x, w1, w2, w3, scores, routing, preact, bpc=bpc, overlap=overlap,
-                                          fold_sum=fold)
-                for name, a, b in zip(GRADS, other, single):
-                    assert torch.equal(a, b), (name, bpc, overlap, fold)
+    paired = F_.fused_backward(g, x, w1, w2, w3, scores, routing, preact, bpc=2)
+    for name, a, b in zip(GRADS, paired, single):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("I", [512, 200])  # the fused backward; the composed one (I % 64 != 0)

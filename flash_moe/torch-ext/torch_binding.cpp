@@ -292,7 +292,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
     const at::Tensor& grad_out, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2, const at::Tensor& preact,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-    const at::Tensor& topk_weights, int64_t top_k, int64_t bpc, bool fold_sum) {
+    const at::Tensor& topk_weights, int64_t top_k, int64_t bpc) {
   const char* op = "fused_moe_bf16_dgrad";
   check_dtype(grad_out, at::kBFloat16, op, "grad_out");  // first: the shared rules check it as `out` too
   const MoeDims d = check_moe_inputs(op, grad_out, w1, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -326,7 +326,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
   a.sh = sh.data_ptr();
   a.score = score.data_ptr<float>();
   a.bpc = (int)bpc;
-  a.fold_sum = fold_sum;
   const cudaError_t err = flash_moe::fused_moe_bf16_dgrad(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
   return {grad_x, dab, sh, score};
@@ -335,7 +334,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
     const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dab, const at::Tensor& sh,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-    int64_t num_experts, int64_t top_k, int64_t bpc, bool overlap) {
+    int64_t num_experts, int64_t top_k, int64_t bpc) {
   const char* op = "fused_moe_bf16_wgrad";
   check_cuda_contig(x, op, "x");
   check_dtype(x, at::kBFloat16, op, "x");
@@ -394,7 +393,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
   a.L = L;
   a.top_k = (int)top_k;
   a.bpc = (int)bpc;
-  a.overlap = overlap;
   a.workspace = ws.data_ptr();
   const cudaError_t err = flash_moe::fused_moe_bf16_wgrad(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
@@ -516,14 +514,14 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
   ops.def(
       "fused_moe_bf16_dgrad(Tensor grad_out, Tensor w1, Tensor w3, Tensor w2, Tensor preact, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int bpc=1, "
-      "bool fold_sum=False) -> (Tensor, Tensor, Tensor, Tensor)");
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int bpc=1) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_dgrad", torch::kCUDA, &fused_moe_bf16_dgrad);
   ops.impl("fused_moe_bf16_dgrad", torch::kCPU, &fused_moe_bf16_dgrad);
   ops.def(
       "fused_moe_bf16_wgrad(Tensor x, Tensor grad_out, Tensor dab, Tensor sh, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k, int bpc=1, "
-      "bool overlap=False) -> (Tensor, Tensor, Tensor)");
+      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k, int bpc=1) "
+      "-> (Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_wgrad", torch::kCUDA, &fused_moe_bf16_wgrad);
   ops.impl("fused_moe_bf16_wgrad", torch::kCPU, &fused_moe_bf16_wgrad);
   ops.def(

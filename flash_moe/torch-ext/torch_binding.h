@@ -18,12 +18,12 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
     const at::Tensor& grad_out, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2, const at::Tensor& preact,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-    const at::Tensor& topk_weights, int64_t top_k, int64_t bpc, bool fold_sum);
+    const at::Tensor& topk_weights, int64_t top_k, int64_t bpc);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_wgrad(
     const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dab, const at::Tensor& sh,
     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded,
-    int64_t num_experts, int64_t top_k, int64_t bpc, bool overlap);
+    int64_t num_experts, int64_t top_k, int64_t bpc);
 
 void fused_moe_mxfp8(const at::Tensor& x, const at::Tensor& x_scales, const at::Tensor& w,
                      const at::Tensor& w_scales, const at::Tensor& w2, const at::Tensor& w2_scales,

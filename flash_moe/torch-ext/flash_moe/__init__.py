@@ -231,7 +231,6 @@ def fused_moe_bf16_dgrad(
     topk_weights: torch.Tensor,
     top_k: int,
     bpc: int = 1,
-    fold_sum: bool = False,
 ):
     """Data gradients of `fused_moe_bf16`, given the forward's routing buffers and `preact`.
 
@@ -251,14 +250,11 @@ def fused_moe_bf16_dgrad(
     w1, w3: (E, I, K) bf16 gate and up projections (the forward's w = cat([w1, w3], 1), kept
     apart here so the backward never copies them); the rest as `fused_moe_bf16` (grad_out like
     x); I % 64 == 0. bpc: 1, or 2 to run the gate/up dgrad GEMM as CTA pairs (as
-    `fused_moe_bf16(bpc=2)` runs its GEMMs); the output bits do not depend on it. fold_sum: sum
-    grad_x's top_k rows inside the gate/up dgrad (its idle producer warps, as each token's last
-    row lands) instead of in a kernel after it; the same bits. fold_sum measured slower
-    at every shape (flash_moe/DESIGN.md §8.4): `moe` never passes it. Deterministic (no
-    float atomics), no host synchronisation.
+    `fused_moe_bf16(bpc=2)` runs its GEMMs); the output bits do not depend on it; `moe` passes
+    `functional.backward_bpc`. Deterministic (no float atomics), no host synchronisation.
     """
     return ops.fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    topk_weights, int(top_k), int(bpc), bool(fold_sum))
+                                    topk_weights, int(top_k), int(bpc))
 
 
 def fused_moe_bf16_wgrad(
@@ -272,7 +268,6 @@ def fused_moe_bf16_wgrad(
     num_experts: int,
     top_k: int,
     bpc: int = 1,
-    overlap: bool = False,
 ):
     """Weight gradients of `fused_moe_bf16` from `fused_moe_bf16_dgrad`'s dab and sh.
 
@@ -289,15 +284,12 @@ def fused_moe_bf16_wgrad(
     consecutive, padding after its live rows; with other buffers reads stay in bounds and the
     gradients are undefined); I % 64 == 0. bpc: 1, or 2 to run both GEMMs as CTA pairs (two
     output tiles of one expert's rows per pair, sharing the loads of dab or sh; K <= 128, one
-    such tile, runs unpaired); the output bits do not depend on it. overlap: store each output
-    tile under wgmmas (half of it under its own last k-block, half under the next tile's first)
-    instead of after them; the same bits. overlap measured no faster
-    (flash_moe/DESIGN.md §8.4): `moe` never passes it; its bpc is `functional.backward_bpc`.
-    Each output tile is one CTA's (no float atomics): bit-identical run to run; no host
+    such tile, runs unpaired); the output bits do not depend on it; `moe` passes
+    `functional.backward_bpc`. Each output tile is one CTA's (no float atomics): bit-identical run to run; no host
     synchronisation.
     """
     return ops.fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                                    int(num_experts), int(top_k), int(bpc), bool(overlap))
+                                    int(num_experts), int(top_k), int(bpc))
 
 
 def fused_moe_mxfp8(
@@ -410,7 +402,7 @@ def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_dgrad"))
 def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               topk_weights, top_k, bpc=1, fold_sum=False):
+                               topk_weights, top_k, bpc=1):
     L, I = sorted_token_ids.shape[0], w1.shape[1]
     return (grad_out.new_empty(grad_out.shape), grad_out.new_empty((L, 2 * I)), grad_out.new_empty((L, I)),
             grad_out.new_empty(topk_weights.shape, dtype=torch.float32))
@@ -418,7 +410,7 @@ def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, e
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_wgrad"))
 def _fused_moe_bf16_wgrad_fake(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               num_experts, top_k, bpc=1, overlap=False):
+                               num_experts, top_k, bpc=1):
     K, I = x.shape[1], sh.shape[1]
     return (x.new_empty((num_experts, I, K)), x.new_empty((num_experts, I, K)), x.new_empty((num_experts, K, I)))
 

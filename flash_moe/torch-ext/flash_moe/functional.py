@@ -143,8 +143,7 @@ def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> 
     return (torch.cumsum(counts[:num_experts], 0) * (sorted_len // block.numel())).to(torch.int32)
 
 
-def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=1,
-                   overlap=False, fold_sum=False):
+def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=1):
     """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
     the score gradient from the saved pre-activations), then `fused_moe_bf16_wgrad` (the three
     weight gradients, each expert's rows the reduction). Needs `fused_backward_serves(I)`.
@@ -159,10 +158,6 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
         needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
         bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs (same bits; `moe`
             passes `backward_bpc` of the shape).
-        overlap: the wgrads' epilogues under their wgmmas (`fused_moe_bf16_wgrad`'s; same bits;
-            measured no faster, flash_moe/DESIGN.md §8.4: `moe` passes False).
-        fold_sum: grad_x's top-k sum inside the gate/up dgrad (`fused_moe_bf16_dgrad`'s; same
-            bits; measured slower everywhere, §8.4: `moe` passes False).
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
     Deterministic (no float atomics), no host synchronisation, CUDA-graph capturable."""
@@ -172,12 +167,11 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
     g = grad_out.to(bf).contiguous()
     gx, dab, sh, score = fused_moe_bf16_dgrad(g, w1.to(bf).contiguous(), w3.to(bf).contiguous(), w2.to(bf).contiguous(),
                                               preact, sorted_ids, expert_ids, ntpp,
-                                              topk_weights.to(torch.float32).contiguous(), top_k, bpc=bpc,
-                                              fold_sum=fold_sum)
+                                              topk_weights.to(torch.float32).contiguous(), top_k, bpc=bpc)
     grads = [gx if needs_input_grad[0] else None, None, None, None, score if needs_input_grad[4] else None]
     if any(needs_input_grad[1:4]):  # one op computes all three (training needs all three)
         gw1, gw3, gw2 = fused_moe_bf16_wgrad(x.to(bf).contiguous(), g, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k,
-                                             bpc=bpc, overlap=overlap)
+                                             bpc=bpc)
         grads[1:4] = [t if need else None for t, need in zip((gw1, gw2, gw3), needs_input_grad[1:4])]
     inputs = (x, w1, w2, w3, topk_weights)
     return tuple(None if t is None else t.to(i.dtype).contiguous() for t, i in zip(grads, inputs))
