@@ -7,6 +7,7 @@ test_fused_wgrad_gpu.py) run them with the kernels."""
 import pathlib
 
 import kernel_package
+import package_stub
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,7 @@ def functional(reference):
         moe_align=reference.moe_align, fused_moe_bf16=reference.fused_moe_bf16, fused_moe_mxfp8=unused,
         quantize_mxfp8=unused,
         fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
-        preact_numel=lambda L, I: 2 * L * I,
-        # the package's rule is test_reference.py's test_preferred_bpc; here: pairs once 256 slots an expert
-        preferred_bpc=lambda T, K, I, E, top_k, mxfp8=False: 2 if T * top_k >= 256 * E else 1)
+        preact_numel=lambda L, I: 2 * L * I, preferred_bpc=package_stub.load().preferred_bpc)
 
 
 def _problem(M, K, I, E, top_k, drop, seed):

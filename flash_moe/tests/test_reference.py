@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-import kernel_package
+import package_stub
 import pytest
 import torch
 
@@ -112,35 +112,9 @@ def test_quantize_mxfp8_bit_patterns(reference):
     assert sat.float().tolist() == [448.0, 448.0, 448.0, -448.0, -448.0, 16.0]
 
 
-def _binding_schemas():
-    """The op schemas of torch_binding.cpp's ops.def(...) calls (their string literals joined)."""
-    import re
-
-    src = (MEMBER / "torch-ext" / "torch_binding.cpp").read_text()
-    calls = re.findall(r"ops\.def\(((?:\s*\"(?:[^\"\\]|\\.)*\")+)\s*\)", src)
-    return ["".join(re.findall(r'"((?:[^"\\]|\\.)*)"', c)) for c in calls]
-
-
-def _init_module(reference):
-    """The package __init__ with a stub ._ops (no native code), to test pure-Python parts."""
-    import sys
-    import types
-
-    folder = MEMBER / "torch-ext" / "flash_moe"
-    ops_mod = types.ModuleType("flash_moe_cpu_pkg._ops")
-    lib = torch.library.Library("flash_moe_cpu_test", "FRAGMENT")
-    for schema in _binding_schemas():  # the package registers fake kernels for every op
-        lib.define(schema)
-    ops_mod.ops = torch.ops.flash_moe_cpu_test
-    ops_mod.add_op_namespace_prefix = lambda name: f"flash_moe_cpu_test::{name}"
-    ops_mod._lib = lib
-    sys.modules["flash_moe_cpu_pkg._ops"] = ops_mod
-    return kernel_package.load_file("flash_moe_cpu_pkg", folder / "__init__.py", package=True)
-
-
 @pytest.fixture(scope="module")
-def pkg(reference):
-    return _init_module(reference)
+def pkg():
+    return package_stub.load()
 
 
 def test_unsupported_shape_reason(pkg):
