@@ -171,8 +171,10 @@ def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, moni
         x_, w1_, w2_, w3_, wt_ = leaves() if lv is None else lv
         return kernel.moe(x_, w1_, w2_, w3_, ids, wt_)
 
+    bpc = F.backward_bpc(T, K, I, E, top_k)  # what `moe` passes
+
     def bwd(i):
-        return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact)
+        return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=bpc)
 
     def both(i):
         fwd(i).backward(go)
@@ -189,7 +191,7 @@ def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, moni
     print(f"{shape} prime-kernels bwd through autograd.grad(retain_graph): {autograd_ms:.3f} ms", flush=True)
     record(rows, "prime-kernels", shape, t, rel(out, out_truth), compare.grad_errors(grads, truth),
            compare.peak_gb(both), "functional.fused_backward on the saved pre-activations (compare.py's row)",
-           autograd_ms=autograd_ms, kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
+           bpc=bpc, autograd_ms=autograd_ms, kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
     return out, grads, t
 
 

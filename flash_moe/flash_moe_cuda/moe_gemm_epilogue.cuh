@@ -15,16 +15,6 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float a, float b) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-// The top-k sum's accumulate (topk_reduce.cu's reduce_kernel): 8 bf16 added into 8 fp32 in order.
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
-  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 f = __bfloat1622float2(b[q]);
-    acc[2 * q] += f.x;
-    acc[2 * q + 1] += f.y;
-  }
-}
 
 // silu(g) * u in fp32 with the fast reciprocal (rcp.approx, within 1 ulp of fp32; the result
 // is rounded to bf16): the epilogue runs while the tensor cores wait, and the IEEE division

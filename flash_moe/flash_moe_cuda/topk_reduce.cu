@@ -6,12 +6,20 @@
 #include "flash_moe.cuh"
 #include "heuristics.cuh"
 #include "launch.cuh"
-#include "moe_gemm_epilogue.cuh"
 
 namespace flash_moe {
 namespace {
 
-using gemm::add_bf16x8;
+// 8 bf16 added into 8 fp32 in order.
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
+  const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 f = __bfloat1622float2(b[q]);
+    acc[2 * q] += f.x;
+    acc[2 * q + 1] += f.y;
+  }
+}
 
 // out[t, :] (+)= sum_k Y[inv[t*top_k+k], :], fp32, k ascending. 8 columns per thread.
 __global__ void reduce_kernel(const __nv_bfloat16* __restrict__ Y, const int32_t* __restrict__ inv,

@@ -7,8 +7,9 @@
 Covers: the forward at bpc 1 and 2 (CTA pairs) writing the pre-activations, with w1|w3 concatenated
 and as two tensors; kDownDgrad + kGateUpDgrad and both wgrads at the same bpcs (2: the gate/up
 dgrad and the wgrads as CTA pairs, the wgrads with an idle CTA at K = 320; at K = 64 they run
-unpaired); -1 ids. The second shape has one k-block per tile (K = 64), and at I = 256 every tile starts in stage 0 (k-blocks a multiple of the stages),
-the case where racecheck once reported the tile-slot hand-off (flash_moe/DESIGN.md §8.1 (g)).
+unpaired); -1 ids. The second shape has one k-block per tile (K = 64), and at I = 256 every tile
+starts in stage 0 (k-blocks a multiple of the stages), the case where racecheck once reported the
+tile-slot hand-off (flash_moe/DESIGN.md §8.1 (g)).
 """
 
 import prime_kernels

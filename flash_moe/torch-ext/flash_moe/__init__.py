@@ -285,8 +285,8 @@ def fused_moe_bf16_wgrad(
     gradients are undefined); I % 64 == 0. bpc: 1, or 2 to run both GEMMs as CTA pairs (two
     output tiles of one expert's rows per pair, sharing the loads of dab or sh; K <= 128, one
     such tile, runs unpaired); the output bits do not depend on it; `moe` passes
-    `functional.backward_bpc`. Each output tile is one CTA's (no float atomics): bit-identical run to run; no host
-    synchronisation.
+    `functional.backward_bpc`. Each output tile is one CTA's (no float atomics): bit-identical run
+    to run; no host synchronisation.
     """
     return ops.fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     int(num_experts), int(top_k), int(bpc))
