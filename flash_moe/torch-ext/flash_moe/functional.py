@@ -106,7 +106,7 @@ def fused_backward_serves(hidden_dim: int) -> bool:
 
 
 def backward_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int) -> int:
-    """The `bpc` that `moe` gives `fused_backward`: 2 (CTA pairs for both dgrad GEMMs and the
+    """The `bpc` that `moe` gives `fused_backward`: 2 (CTA pairs for the gate/up dgrad and the
     wgrads) where it measured faster in two runs, dim >= 4096 with experts averaging two blocks or
     more (-2.6 to -4.5 % at flash_moe/DESIGN.md §8's shapes 3-4); else 1 (level at dim 2048, +7 %
     with 64 rows an expert). Dims between 2048 and 4096 are unmeasured. Same bits either way."""
@@ -156,7 +156,7 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
         preact: the bf16 tensor of `preact_numel(len(sorted_token_ids), I)` elements that
             `fused_moe_bf16(..., preact=)` filled in the forward on the same routing.
         needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
-        bpc: 1, or 2 to run the dgrad and wgrad GEMMs as CTA pairs (same bits; `moe`
+        bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs (same bits; `moe`
             passes `backward_bpc` of the shape).
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
