@@ -107,8 +107,8 @@ def fused_backward_serves(hidden_dim: int) -> bool:
 
 def backward_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int) -> int:
     """The `bpc` that `moe` gives `fused_backward`: 2 (CTA pairs for the gate/up dgrad and the
-    wgrads) where it measured faster in two runs, dim >= 4096 with experts averaging two blocks or
-    more (-2.6 to -4.5 % at flash_moe/DESIGN.md §8's shapes 3-4); else 1 (level at dim 2048, +7 %
+    wgrads) at dim >= 4096 with experts averaging two blocks or more (flash_moe/DESIGN.md §8.4:
+    -4.0 to -6.7 % at shape 4 in four runs, level at shape 3); else 1 (level at dim 2048, +7 %
     with 64 rows an expert). Dims between 2048 and 4096 are unmeasured. Same bits either way."""
     if dim < 4096:
         return 1
