@@ -464,10 +464,11 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     preact = torch.empty(kernel.preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device="cuda")
     F._forward(x, w1, w2, w3, wt, routing, False, preact)
 
-    bpc = F.backward_bpc(T, K, I, E, top_k)  # what `moe` passes
+    def backward_at(b):
+        return lambda i: F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=b)
 
-    def ours(i):
-        return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=bpc)
+    bpc = F.backward_bpc(T, K, I, E, top_k)  # what `moe` passes
+    ours = backward_at(bpc)
 
     def leaves_of(i):
         return [t.detach().requires_grad_() for t in inputs]
@@ -494,9 +495,6 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
 
     def wgrad_at(b):
         return lambda i: kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k, bpc=b)
-
-    def backward_at(b):
-        return lambda i: F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=b)
 
     dgrad_ms = op_alone_by(dgrad_at, args.iters)
     wgrad_ms = op_alone_by(wgrad_at, args.iters)
