@@ -23,7 +23,7 @@ backward as restated in flash_moe/tests/prime_rl_peer.py, the four backward GEMM
 (`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
 memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
 fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
-Our row runs the backward at the bpc `moe` takes, `functional.backward_bpc(shape)` (recorded as
+Our row runs the backward at the bpc `moe` takes, `preferred_bpc(shape, backward=True)` (recorded as
 `bpc`), and also records it at bpc 1 and 2 (CTA pairs), each timed as `op_alone_ms_by_bpc` is:
 `fused_moe_bf16_dgrad` (`dgrad_ms_by_bpc`), `fused_moe_bf16_wgrad` (`wgrad_ms_by_bpc`) and the
 backward (`backward_ms_by_bpc`, `bits_equal_across_bpc`).
@@ -467,7 +467,7 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     def backward_at(b):
         return lambda i: F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=b)
 
-    bpc = F.backward_bpc(T, K, I, E, top_k)  # what `moe` passes
+    bpc = kernel.preferred_bpc(T, K, I, E, top_k, backward=True)  # what `moe` runs (bpc=None), recorded
     ours = backward_at(bpc)
 
     def leaves_of(i):

@@ -7,7 +7,6 @@ test_fused_wgrad_gpu.py) run them with the kernels."""
 import pathlib
 
 import kernel_package
-import package_stub
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,7 @@ def functional(reference):
         moe_align=reference.moe_align, fused_moe_bf16=reference.fused_moe_bf16, fused_moe_mxfp8=unused,
         quantize_mxfp8=unused,
         fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
-        preact_numel=lambda L, I: 2 * L * I, preferred_bpc=package_stub.load().preferred_bpc)
+        preact_numel=lambda L, I: 2 * L * I)
 
 
 def _problem(M, K, I, E, top_k, drop, seed):
@@ -122,15 +121,6 @@ def test_fused_moe_apply_takes_prime_rls_call(functional):
     assert all(torch.equal(a, b) for a, b in zip(*results))
     with pytest.raises(ValueError, match="num_experts must equal w1.shape"):
         functional.FusedMoE.apply(x, w1, w2, w3, ids, scores, 16, False)
-
-
-def test_backward_bpc_takes_pairs_where_they_measured_faster(functional):
-    """CTA pairs for the backward at dim >= 4096 where the forward's rule takes them (the backward
-    shapes 3-4 of flash_moe/DESIGN.md §8); bpc 1 at dim 2048 (shapes 1, 2, 5) and with few rows."""
-    shapes = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (32768, 4096, 1024, 64, 4),
-              (8192, 4096, 1536, 128, 8), (1024, 2048, 768, 128, 8)]
-    assert [functional.backward_bpc(*s) for s in shapes] == [1, 1, 2, 2, 1]
-    assert functional.backward_bpc(1024, 4096, 1536, 128, 8) == 1
 
 
 def test_preact_layout_is_a_permutation(reference):

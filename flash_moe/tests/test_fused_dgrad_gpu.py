@@ -127,13 +127,16 @@ def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc, dgrad_bpc):
 def test_dgrad_bit_identical_repeats_and_bpc(kernel):
     args = _setup(kernel, 2048, 2048, 768, 64, 8, seed=7)
     x, w, w2, ids, wts, g, routing, preact = args
-    first = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8), routing)
+
+    def dgrad(bpc):
+        return _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8, bpc=bpc), routing)
+
+    first = dgrad(1)
     for _ in range(3):
-        for a, b in zip(_defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8), routing),
-                        first):
+        for a, b in zip(dgrad(1), first):
             assert torch.equal(a, b)
     # the CTA-pair gate/up dgrad gives the same bits
-    paired = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, 8, bpc=2), routing)
+    paired = dgrad(2)
     for a, b in zip(paired, first):
         assert torch.equal(a, b)
     # the CTA-pair forward saves the same pre-activations (NaN where neither writes: the fill)
@@ -148,7 +151,7 @@ def test_dgrad_pairs_carry_a_short_tail(kernel):
     M, K, I, E, top_k = 376, 512, 256, 2, 1
     ids = (torch.arange(M, device="cuda") >= 276).int().unsqueeze(1)
     x, w, w2, ids, wts, g, routing, preact = _setup(kernel, M, K, I, E, top_k, seed=9, ids=ids)
-    single = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k), routing)
+    single = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k, bpc=1), routing)
     paired = _defined(kernel.fused_moe_bf16_dgrad(g, *_halves(w), w2, preact, *routing, wts, top_k, bpc=2), routing)
     for a, b in zip(paired, single):
         assert torch.equal(a, b)

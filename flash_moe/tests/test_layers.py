@@ -37,7 +37,7 @@ def test_layer_passes_kernelize_validation():
 
     stand_ins = {name: (lambda *a, **k: None) for name in
                  ("fused_moe_bf16", "fused_moe_bf16_dgrad", "fused_moe_bf16_wgrad", "fused_moe_mxfp8", "moe_align",
-                  "preact_numel", "preferred_bpc", "quantize_mxfp8")}
+                  "preact_numel", "quantize_mxfp8")}
     layers = kernel_package.load_submodule("flash_moe_layers_parent", MEMBER_DIR / "torch-ext" / "flash_moe",
                                            "layers", **stand_ins)
     layer = getattr(layers, LAYER)

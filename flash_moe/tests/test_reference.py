@@ -140,6 +140,59 @@ def test_preferred_bpc(pkg):
     assert [pkg.preferred_bpc(*s) for s in shapes] == [2, 2, 2, 2, 1]
     assert [pkg.preferred_bpc(*s, mxfp8=True) for s in shapes] == [1, 1, 1, 1, 1]
     assert pkg.preferred_bpc(255, 2048, 768, 1, 1) == 1 and pkg.preferred_bpc(256, 2048, 768, 1, 1) == 2
+    # The backward (either forward format): pairs at dim >= 4096 where the forward's rule takes
+    # them (the backward's shapes 3-4, flash_moe/DESIGN.md §8.4); bpc 1 at dim 2048 and with few rows.
+    backward = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (32768, 4096, 1024, 64, 4),
+                (8192, 4096, 1536, 128, 8), (1024, 2048, 768, 128, 8), (1024, 4096, 1536, 128, 8)]
+    for mxfp8 in (False, True):
+        assert [pkg.preferred_bpc(*s, mxfp8=mxfp8, backward=True) for s in backward] == [1, 1, 2, 2, 1, 1]
+
+
+def test_default_bpc_reaches_each_op(pkg, monkeypatch):
+    """bpc=None (every fused op's default) passes the op `preferred_bpc` of the call's shape
+    (backward=True for dgrad and wgrad), read from the arguments as the binding reads them; an
+    explicit bpc passes unchanged; a tensor of the wrong rank gets 1 and is left to the op's check."""
+    seen = {}
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args: seen.__setitem__(name, args)
+
+    monkeypatch.setattr(pkg, "ops", Recorder())
+    T, K, I, E, k = 8192, 4096, 1536, 128, 8  # the backward's shape 4: pairs everywhere
+
+    def empty(*shape):  # shapes only: nothing runs
+        return torch.empty(*shape, device="meta")
+
+    x, g = empty(T, K), empty(T, K)
+    w1, w, w2 = empty(E, I, K), empty(E, 2 * I, K), empty(E, K, I)
+    L = T * k + E * pkg.BLOCK_M
+    dab, sh = empty(L, 2 * I), empty(L, I)
+    ids, blocks, ntpp, wt = empty(L), empty(L // pkg.BLOCK_M), empty(1), empty(T, k)
+    calls = {
+        "fused_moe_bf16": (lambda bpc: pkg.fused_moe_bf16(x, w, w2, ids, blocks, ntpp, wt, x, k, bpc=bpc), 13),
+        "fused_moe_mxfp8": (lambda bpc: pkg.fused_moe_mxfp8(x, x, w, w, w2, w2, ids, blocks, ntpp, wt, x, k, bpc=bpc),
+                            16),
+        "fused_moe_bf16_dgrad": (lambda bpc: pkg.fused_moe_bf16_dgrad(g, w1, w1, w2, sh, ids, blocks, ntpp, wt, k,
+                                                                      bpc=bpc), 10),
+        "fused_moe_bf16_wgrad": (lambda bpc: pkg.fused_moe_bf16_wgrad(x, g, dab, sh, ids, blocks, ntpp, E, k, bpc=bpc),
+                                 9),
+    }
+    want = {"fused_moe_bf16": 2, "fused_moe_mxfp8": 1, "fused_moe_bf16_dgrad": 2, "fused_moe_bf16_wgrad": 2}
+    for name, (call, at) in calls.items():
+        call(None)
+        assert seen[name][at] == want[name], name
+        call(3 - want[name])
+        assert seen[name][at] == 3 - want[name], name
+    pkg.fused_moe_bf16(x, w, w2, ids, blocks, ntpp, wt, x, k, w3=w1)  # w holds the gate rows alone
+    assert seen["fused_moe_bf16"][13] == 2
+    pkg.fused_moe_bf16_dgrad(g, w1[0], w1, w2, sh, ids, blocks, ntpp, wt, k)  # w1 2-D: the op refuses it
+    assert seen["fused_moe_bf16_dgrad"][10] == 1
+    pkg.fused_moe_bf16_wgrad(x, g, dab, sh[0], ids, blocks, ntpp, E, k)
+    assert seen["fused_moe_bf16_wgrad"][9] == 1
+    K2 = 2048  # dim 2048: the backward takes 1 where the forward takes pairs
+    pkg.fused_moe_bf16_dgrad(g[:, :K2], w1[..., :K2], w1[..., :K2], w2[:, :K2], sh, ids, blocks, ntpp, wt, k)
+    assert seen["fused_moe_bf16_dgrad"][10] == 1
 
 
 def test_fake_kernels_shapes(pkg):

@@ -20,9 +20,9 @@ Public surface (docs/DESIGN.md §5):
   differentiable w.r.t. x, w1, w2, w3 and topk_weights (its backwards are in `functional`;
   docs/DESIGN.md §5.1); ``FusedMoE.apply`` the same with prime-rl's ``_FusedMoE.apply`` arguments;
   ``layers.MoEExperts`` the layer for `kernels.kernelize`.
-- ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False)``: the ``bpc``
-  (1, or 2 = CTA pairs) measured fastest for a shape; both fused ops use it when ``bpc=None``
-  (their default).
+- ``preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k, mxfp8=False, backward=False)``:
+  the ``bpc`` (1, or 2 = CTA pairs) measured fastest for a shape; the fused ops (forward and,
+  with ``backward=True``, dgrad and wgrad) use it when ``bpc=None`` (their default).
 - ``BLOCK_M`` (defined in ``reference``, which the kernels' layout rules need without the native
   code), ``BLOCK_N``, ``WARP_N``, ``STAGES``, ``STAGES_MXFP8`` (the tuning arguments' defaults),
   ``MXFP8_K_BLOCK``, ``MXFP8_SCALE_BLOCK``, ``unsupported_shape_reason``, and ``reference``
@@ -96,26 +96,41 @@ def unsupported_shape_reason(dim: int, hidden_dim: int, *, mxfp8: bool = False, 
 
 
 def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int, *,
-                  mxfp8: bool = False) -> int:
-    """The `bpc` of `fused_moe_bf16` / `fused_moe_mxfp8` that measured fastest on the H200 for a
-    shape: 2 (CTA pairs sharing weight loads, splitting each expert's rows evenly and carrying
-    its short tail) for the bf16 op when the experts average at least two BLOCK_M-slot blocks;
-    else 1. The output bits do not depend on `bpc`, only the time does. The measurements behind
-    the rule (bf16 faster with pairs once experts hold two blocks, slower with one; MXFP8 never
-    faster) are flash_moe/DESIGN.md §5.
+                  mxfp8: bool = False, backward: bool = False) -> int:
+    """The `bpc` that measured fastest on the H200 for a shape, 2 (CTA pairs sharing weight loads)
+    or 1; the ops take it when called with `bpc=None` (their default). The output bits do not
+    depend on `bpc`, only the time does.
+
+    Forward (`fused_moe_bf16` / `fused_moe_mxfp8`): 2 for the bf16 op when the experts average at
+    least two BLOCK_M-slot blocks (pairs split each expert's rows evenly and carry its short
+    tail); else 1: bf16 slower with one block an expert, MXFP8 never faster
+    (flash_moe/DESIGN.md §5).
+
+    backward=True (`fused_moe_bf16_dgrad` / `fused_moe_bf16_wgrad`, whatever the forward's
+    format): 2 at dim >= 4096 with the same two blocks an expert; else 1. Measured: -4.0 to
+    -6.7 % at the backward's shape 4 in four runs, level at shape 3 and at dim 2048, +7 % with 64
+    rows an expert (flash_moe/DESIGN.md §8.4); dims between 2048 and 4096 are unmeasured.
     """
+    if backward:
+        mxfp8 = False  # the backward is bf16 whatever the forward ran
+        if dim < 4096:
+            return 1
     if mxfp8 or num_tokens * top_k < 2 * BLOCK_M * num_experts:
         return 1
     return 2
 
 
-def _default_bpc(x: torch.Tensor, w: torch.Tensor, top_k: int, *, mxfp8: bool, split_w3: bool = False) -> int:
-    # Shapes are only read when they are what the op accepts; anything else gets bpc=1 and the
-    # op's own check names the bad argument. split_w3: w is w1 (E, I, K), not (E, 2I, K).
-    if x.dim() != 2 or w.dim() != 3:
+def _default_bpc(x: torch.Tensor, num_experts: int | None, hidden_dim: int | None, top_k: int, **rule) -> int:
+    # Shapes are only read when they are what the op accepts (None: a dim the caller could not
+    # read); anything else gets bpc=1 and the op's own check names the bad argument.
+    if x.dim() != 2 or num_experts is None or hidden_dim is None:
         return 1
-    I = w.shape[1] if split_w3 else w.shape[1] // 2
-    return preferred_bpc(x.shape[0], x.shape[1], I, w.shape[0], int(top_k), mxfp8=mxfp8)
+    return preferred_bpc(x.shape[0], x.shape[1], hidden_dim, num_experts, int(top_k), **rule)
+
+
+def _experts_and_hidden(w: torch.Tensor, rows_per_hidden: int) -> tuple[int | None, int | None]:
+    """(E, I) of a weight (E, rows_per_hidden * I, K); (None, None) when w is not 3-D."""
+    return (w.shape[0], w.shape[1] // rows_per_hidden) if w.dim() == 3 else (None, None)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, bpc: int = 1):
@@ -206,7 +221,7 @@ def fused_moe_bf16(
     output run after run, no float atomics). CUDA-graph capturable.
     """
     if bpc is None:
-        bpc = _default_bpc(x, w, top_k, mxfp8=False, split_w3=w3 is not None)
+        bpc = _default_bpc(x, *_experts_and_hidden(w, 1 if w3 is not None else 2), top_k)
     ops.fused_moe_bf16(
         x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
         int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc), bool(split), preact, w3,
@@ -230,7 +245,7 @@ def fused_moe_bf16_dgrad(
     num_tokens_post_padded: torch.Tensor,
     topk_weights: torch.Tensor,
     top_k: int,
-    bpc: int = 1,
+    bpc: int | None = None,
 ):
     """Data gradients of `fused_moe_bf16`, given the forward's routing buffers and `preact`.
 
@@ -250,9 +265,12 @@ def fused_moe_bf16_dgrad(
     w1, w3: (E, I, K) bf16 gate and up projections (the forward's w = cat([w1, w3], 1), kept
     apart here so the backward never copies them); the rest as `fused_moe_bf16` (grad_out like
     x); I % 64 == 0. bpc: 1, or 2 to run the gate/up dgrad GEMM as CTA pairs (as
-    `fused_moe_bf16(bpc=2)` runs its GEMMs); the output bits do not depend on it; `moe` passes
-    `functional.backward_bpc`. Deterministic (no float atomics), no host synchronisation.
+    `fused_moe_bf16(bpc=2)` runs its GEMMs); None (the default) takes `preferred_bpc(...,
+    backward=True)` of the call's shape; the output bits do not depend on it. Deterministic (no
+    float atomics), no host synchronisation.
     """
+    if bpc is None:
+        bpc = _default_bpc(grad_out, *_experts_and_hidden(w1, 1), top_k, backward=True)
     return ops.fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     topk_weights, int(top_k), int(bpc))
 
@@ -267,7 +285,7 @@ def fused_moe_bf16_wgrad(
     num_tokens_post_padded: torch.Tensor,
     num_experts: int,
     top_k: int,
-    bpc: int = 1,
+    bpc: int | None = None,
 ):
     """Weight gradients of `fused_moe_bf16` from `fused_moe_bf16_dgrad`'s dab and sh.
 
@@ -284,10 +302,12 @@ def fused_moe_bf16_wgrad(
     consecutive, padding after its live rows; with other buffers reads stay in bounds and the
     gradients are undefined); I % 64 == 0. bpc: 1, or 2 to run both GEMMs as CTA pairs (two
     output tiles of one expert's rows per pair, sharing the loads of dab or sh; K <= 128, one
-    such tile, runs unpaired); the output bits do not depend on it; `moe` passes
-    `functional.backward_bpc`. Each output tile is one CTA's (no float atomics): bit-identical run
-    to run; no host synchronisation.
+    such tile, runs unpaired); None (the default) takes `preferred_bpc(..., backward=True)` of the
+    call's shape; the output bits do not depend on it. Each output tile is one CTA's (no float
+    atomics): bit-identical run to run; no host synchronisation.
     """
+    if bpc is None:
+        bpc = _default_bpc(x, int(num_experts), sh.shape[1] if sh.dim() == 2 else None, top_k, backward=True)
     return ops.fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
                                     int(num_experts), int(top_k), int(bpc))
 
@@ -347,7 +367,7 @@ def fused_moe_mxfp8(
     path. Environment variable FLASH_MOE_MXFP8_GENERAL=1 forces the bf16 path (for tests).
     """
     if bpc is None:
-        bpc = _default_bpc(x, w, top_k, mxfp8=True)
+        bpc = _default_bpc(x, *_experts_and_hidden(w, 2), top_k, mxfp8=True)
     ops.fused_moe_mxfp8(
         x, x_scales, w, w_scales, w2, w2_scales, sorted_token_ids, expert_ids, num_tokens_post_padded,
         topk_weights, out, int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc),

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import (fused_moe_bf16, fused_moe_bf16_dgrad, fused_moe_bf16_wgrad, fused_moe_mxfp8, moe_align, preact_numel,
-               preferred_bpc, quantize_mxfp8)
+               quantize_mxfp8)
 
 
 def _live(sorted_ids: torch.Tensor, ntpp: torch.Tensor, n_slots: int):
@@ -105,16 +105,6 @@ def fused_backward_serves(hidden_dim: int) -> bool:
     return hidden_dim % 64 == 0
 
 
-def backward_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, top_k: int) -> int:
-    """The `bpc` that `moe` gives `fused_backward`: 2 (CTA pairs for the gate/up dgrad and the
-    wgrads) at dim >= 4096 with experts averaging two blocks or more (flash_moe/DESIGN.md §8.4:
-    -4.0 to -6.7 % at shape 4 in four runs, level at shape 3); else 1 (level at dim 2048, +7 %
-    with 64 rows an expert). Dims between 2048 and 4096 are unmeasured. Same bits either way."""
-    if dim < 4096:
-        return 1
-    return preferred_bpc(num_tokens, dim, hidden_dim, num_experts, top_k)
-
-
 def _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact=None):
     """The fused forward on moe_align's `routing`; with `preact`, also the pre-activations
     (bf16 only: the MXFP8 op does not save them)."""
@@ -143,7 +133,7 @@ def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> 
     return (torch.cumsum(counts[:num_experts], 0) * (sorted_len // block.numel())).to(torch.int32)
 
 
-def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=1):
+def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs_input_grad=(True,) * 5, bpc=None):
     """Gradients of `moe` from the fused kernels: `fused_moe_bf16_dgrad` (grad_x, dA|dB, s*h and
     the score gradient from the saved pre-activations), then `fused_moe_bf16_wgrad` (the three
     weight gradients, each expert's rows the reduction). Needs `fused_backward_serves(I)`.
@@ -156,8 +146,8 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
         preact: the bf16 tensor of `preact_numel(len(sorted_token_ids), I)` elements that
             `fused_moe_bf16(..., preact=)` filled in the forward on the same routing.
         needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
-        bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs (same bits; `moe`
-            passes `backward_bpc` of the shape).
+        bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs; None (the default,
+            what `moe` runs) takes `preferred_bpc(..., backward=True)` of the shape. Same bits.
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
     Deterministic (no float atomics), no host synchronisation, CUDA-graph capturable."""
@@ -206,8 +196,7 @@ class _MoE(torch.autograd.Function):
                 preact = torch.empty(preact_numel(sorted_ids.numel(), w1.shape[1]), dtype=torch.bfloat16,
                                      device=x.device)
                 _forward(x, w1, w2, w3, topk_weights, routing, False, preact)
-            bpc = backward_bpc(x.shape[0], x.shape[1], w1.shape[1], w1.shape[0], ctx.top_k)
-            grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs, bpc=bpc)
+            grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs)
         else:
             grads = composed_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, needs)
         gx, gw1, gw2, gw3, gs = grads
