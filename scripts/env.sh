@@ -3,7 +3,7 @@
 # as on the GPU machine) that environment is used; otherwise .venv is made, seeing the system's
 # packages, so a machine's own CUDA torch is used as is. Without any torch, torch 2.14.1 (CUDA
 # 13.0) is installed. With a .gpu-wheels/ folder (a GPU machine with no network, see
-# ../shared/tools/gpu-wheels.sh) everything installs from that folder, offline.
+# scripts/gpu-wheels.sh) everything installs from that folder, offline.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
