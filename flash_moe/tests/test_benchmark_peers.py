@@ -177,3 +177,13 @@ def test_sonicmoe_peer_caches_under_the_given_root_unless_set(sonicmoe_peer, mon
     assert os.environ["QUACK_CACHE_DIR"] == str(tmp_path / "quack")
     assert os.environ["QUACK_CACHE_AUTOTUNING"] == "1"
     assert os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
+
+
+def test_profile_backward_refuses_bad_arguments(compare, capsys):
+    """benchmarks/profile_backward.py (for ncu) checks its arguments before it loads the kernel."""
+    prof = kernel_package.load_file("flash_moe_profile_backward", MEMBER / "benchmarks" / "profile_backward.py")
+    bad = ((["--shape", "5"], "--shape must be in [0, 5), got 5"), (["--calls", "0"], "--calls must be >= 1"))
+    for argv, rule in bad:
+        with pytest.raises(SystemExit):
+            prof.main(argv)
+        assert rule in capsys.readouterr().err
