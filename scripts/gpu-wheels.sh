@@ -9,7 +9,7 @@
 # needs a recent one, and the image's version is not listed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec bash ../shared/tools/gpu-wheels.sh \
+exec bash ../shared/tools/gpu-wheels.sh sigstore==4.5.1 \
   cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 tuf==7.0.1 securesystemslib==1.6.0 rfc8785==0.1.4 \
   pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 \
   sigstore-rekor-types==0.0.18 sigstore-models==0.0.6 rfc3161-client==1.0.9 id==1.6.1 pyjwt==2.15.1 \

@@ -171,7 +171,9 @@ def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, moni
         x_, w1_, w2_, w3_, wt_ = leaves() if lv is None else lv
         return kernel.moe(x_, w1_, w2_, w3_, ids, wt_)
 
-    def bwd(i):  # at the bpc `moe` runs (bpc=None)
+    bpc = kernel.preferred_bpc(T, K, I, E, top_k, backward=True)  # what `moe` runs (bpc=None), recorded
+
+    def bwd(i):
         return F.fused_backward(go, x, w1, w2, w3, wt, routing, preact)
 
     def both(i):

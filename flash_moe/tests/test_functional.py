@@ -80,6 +80,27 @@ def test_fused_backward_matches_fp64_autograd(functional, reference, M, K, I, E,
     _assert_fp64_close(reference, grads, x, w1, w2, w3, ids, scores, grad_out)
 
 
+def test_fused_backward_hands_its_bpc_to_both_ops(functional, reference, monkeypatch):
+    """fused_backward passes its bpc to the dgrad and the wgrad op, and `moe` passes None, so that
+    each op takes preferred_bpc(..., backward=True) of the shape (test_reference.py holds that)."""
+    seen = []
+    for name in ("fused_moe_bf16_dgrad", "fused_moe_bf16_wgrad"):
+        original = getattr(functional, name)
+        monkeypatch.setattr(functional, name,
+                            lambda *a, _f=original, _n=name, **k: seen.append((_n, k["bpc"])) or _f(*a, **k))
+    x, w1, w2, w3, ids, scores, grad_out = _problem(48, 64, 64, 8, 2, 0.0, seed=3)
+    routing = (*reference.moe_align(ids.to(torch.int32), 8), 2)
+    preact = torch.empty(2 * routing[0].numel() * 64, dtype=torch.bfloat16)
+    reference.fused_moe_bf16(x, torch.cat([w1, w3], 1).bfloat16(), w2.bfloat16(), *routing[:3], scores,
+                             torch.empty_like(x), 2, preact=preact)
+    functional.fused_backward(grad_out, x, w1, w2, w3, scores, routing, preact, bpc=2)
+    assert seen == [("fused_moe_bf16_dgrad", 2), ("fused_moe_bf16_wgrad", 2)]
+    seen.clear()
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3, scores)]
+    functional.moe(leaves[0], leaves[1], leaves[2], leaves[3], ids, leaves[4]).backward(grad_out)
+    assert seen == [("fused_moe_bf16_dgrad", None), ("fused_moe_bf16_wgrad", None)]
+
+
 @pytest.mark.parametrize("I,fused", [(32, False), (64, True)])
 def test_moe_picks_its_backward_and_matches_fp64_autograd(functional, reference, monkeypatch, I, fused):
     """`moe` runs `fused_backward` exactly when fused_backward_serves(I), else `composed_backward`;

@@ -193,6 +193,15 @@ def test_default_bpc_reaches_each_op(pkg, monkeypatch):
     K2 = 2048  # dim 2048: the backward takes 1 where the forward takes pairs
     pkg.fused_moe_bf16_dgrad(g[:, :K2], w1[..., :K2], w1[..., :K2], w2[:, :K2], sh, ids, blocks, ntpp, wt, k)
     assert seen["fused_moe_bf16_dgrad"][10] == 1
+    pkg.fused_moe_bf16_wgrad(x[:, :K2], g[:, :K2], dab, sh, ids, blocks, ntpp, E, k)
+    assert seen["fused_moe_bf16_wgrad"][9] == 1
+    T2 = 2 * pkg.BLOCK_M * E // k - 1  # one slot short of two blocks an expert: 1 (the E each op reads)
+    pkg.fused_moe_bf16_dgrad(g[:T2], w1, w1, w2, sh, ids, blocks, ntpp, wt[:T2], k)
+    pkg.fused_moe_bf16_wgrad(x[:T2], g[:T2], dab, sh, ids, blocks, ntpp, E, k)
+    assert seen["fused_moe_bf16_dgrad"][10] == seen["fused_moe_bf16_wgrad"][9] == 1
+    pkg.fused_moe_bf16_dgrad(g[:T2 + 1], w1, w1, w2, sh, ids, blocks, ntpp, wt, k)
+    pkg.fused_moe_bf16_wgrad(x[:T2 + 1], g[:T2 + 1], dab, sh, ids, blocks, ntpp, E, k)
+    assert seen["fused_moe_bf16_dgrad"][10] == seen["fused_moe_bf16_wgrad"][9] == 2
 
 
 def test_fake_kernels_shapes(pkg):

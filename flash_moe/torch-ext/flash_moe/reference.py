@@ -220,7 +220,7 @@ def _preactivations(x, w, sorted_token_ids, num_tokens_post_padded, expert_ids, 
 
 
 def fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                         topk_weights, top_k, bpc: int = 1, block_m: int = BLOCK_M):
+                         topk_weights, top_k, bpc: int | None = None, block_m: int = BLOCK_M):
     """Reference of `flash_moe.fused_moe_bf16_dgrad` (any bpc: the kernel's bits do not depend on
     it), in fp32 from the bf16 pre-activations:
     per live position p (slot s, token t, expert e, router weight r), with a, u from preact,
@@ -258,7 +258,7 @@ def fused_moe_bf16_dgrad(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_
 
 
 def fused_moe_bf16_wgrad(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded, num_experts,
-                         top_k, bpc: int = 1, block_m: int = BLOCK_M):
+                         top_k, bpc: int | None = None, block_m: int = BLOCK_M):
     """Reference of `flash_moe.fused_moe_bf16_wgrad` (any bpc), in fp32: over expert e's
     live positions p (slot s, token t = s // top_k), grad_w1|w3[e] = sum_p dab[p, :I | I:] outer x[t] (E, I, K) and
     grad_w2[e] = sum_p grad_out[t] outer sh[p] (E, K, I), bf16; zeros for an expert without rows."""
