@@ -2,8 +2,8 @@
 # workspace installed. Inside an active virtual environment (or a python3 that lives in one,
 # as on the GPU machine) that environment is used; otherwise .venv is made, seeing the system's
 # packages, so a machine's own CUDA torch is used as is. Without any torch, torch 2.14.1 (CUDA
-# 13.0) is installed. With a .gpu-wheels/ folder (a GPU machine with no network, see
-# scripts/gpu-wheels.sh) everything installs from that folder, offline.
+# 13.0) is installed. With a .gpu-wheels/ folder this Python can take every wheel of (the GPU
+# machine with no network, see scripts/gpu-wheels.sh) everything installs from it, offline.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -14,7 +14,17 @@ if ! "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
 fi
 export PY
 pip=("$PY" -m pip install -q --disable-pip-version-check)
-if [ -d .gpu-wheels ]; then
+# The wheels' folder serves the interpreter it was filled for (the GPU machine's Python 3.12): a
+# checkout carrying it may run elsewhere too, where it is ignored (a part of its pinned set would
+# break the rest).
+offline_wheels() {
+  [ -d .gpu-wheels ] && "$PY" -c 'import glob, sys
+from pip._vendor.packaging import tags, utils
+ok = set(tags.sys_tags())
+wheels = glob.glob(".gpu-wheels/*.whl")
+sys.exit(not wheels or any(not ok & set(utils.parse_wheel_filename(w.rsplit("/", 1)[1])[3]) for w in wheels))'
+}
+if offline_wheels; then
   "${pip[@]}" --no-index --no-deps .gpu-wheels/*.whl
   "${pip[@]}" --no-index --no-deps --no-build-isolation -e .
 else
