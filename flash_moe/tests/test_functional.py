@@ -157,18 +157,3 @@ def test_preact_layout_is_a_permutation(reference):
     f, p = 16 + 5 // 4, 8 + 2 * (5 % 4)
     want = [a[p, f], a[p + 1, f], a[p, f + 8], a[p + 1, f + 8], u[p, f], u[p + 1, f], u[p, f + 8], u[p + 1, f + 8]]
     assert torch.equal(packed[8 * c:8 * c + 8], torch.stack(want))
-
-
-def test_reference_preact_only_fills_preact_alone(reference):
-    """The reference of fused_moe_bf16(preact_only=True), as the MXFP8 forward's backward calls it:
-    the whole op's preact, out untouched; refused without preact."""
-    x, w1, w2, w3, ids, scores, _ = _problem(48, 64, 64, 8, 2, 0.2, seed=5)
-    routing = reference.moe_align(ids.to(torch.int32), 8)
-    w, w2 = torch.cat([w1, w3], 1).bfloat16(), w2.bfloat16()
-    full, alone = (torch.full((2 * routing[0].numel() * 64,), float("nan"), dtype=torch.bfloat16) for _ in range(2))
-    reference.fused_moe_bf16(x, w, w2, *routing, scores, torch.empty_like(x), 2, preact=full)
-    out = torch.full_like(x, float("nan"))
-    reference.fused_moe_bf16(x, w, w2, *routing, scores, out, 2, preact=alone, preact_only=True)
-    assert torch.equal(alone, full) and out.isnan().all()
-    with pytest.raises(RuntimeError, match="preact_only=True needs preact"):
-        reference.fused_moe_bf16(x, w, w2, *routing, scores, out, 2, preact_only=True)
