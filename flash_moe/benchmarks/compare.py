@@ -21,7 +21,8 @@ The backward (unless --backward-shapes ''), on BACKWARD_SHAPES: ours
 (`functional.fused_backward` on the pre-activations the training forward saved), prime-rl's
 backward as restated in flash_moe/tests/prime_rl_peer.py, the four backward GEMMs alone
 (`grouped_mm GEMMs only`, rows pre-gathered), and forward+backward through autograd with its peak
-memory (`peak_GB`); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
+memory (`peak_GB`), also with the MXFP8 forward (`fused_moe_mxfp8_forward_backward`, unless
+--no-mxfp8); FLOPs 12 (18 with the forward) * T * k * K * I; each gradient's error against
 fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_err_vs_fp32).
 Our row runs the backward at the bpc `moe` takes, `preferred_bpc(shape, backward=True)` (recorded as
 `bpc`), and also records it at bpc 1 and 2 (CTA pairs), each timed as `op_alone_ms_by_bpc` is:
@@ -534,6 +535,13 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
                 peak_GB=peak_gb(fn),
                 sustained=monitor.sustained(fn, 18 * T * top_k * K * I) if monitor and impl == "prime-kernels"
                 else None)
+    if args.mxfp8 and kernel.unsupported_shape_reason(K, I, mxfp8=True) is None:
+        def ours_mxfp8_both(i):  # a trainer's moe(mxfp8=True): its backward is the bf16 one
+            lv = leaves_of(i)
+            kernel.moe(lv[0], lv[1], lv[2], lv[3], ids, lv[4], mxfp8=True).backward(go)
+
+        moe_row(rows, "fused_moe_mxfp8_forward_backward", "prime-kernels", shape,
+                median_ms(ours_mxfp8_both, args.iters), None, 18, peak_GB=peak_gb(ours_mxfp8_both))
     del preact, truth
     torch.cuda.empty_cache()
 
