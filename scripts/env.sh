@@ -22,7 +22,11 @@ offline_wheels() {
 from pip._vendor.packaging import tags, utils
 ok = set(tags.sys_tags())
 wheels = glob.glob(".gpu-wheels/*.whl")
-sys.exit(not wheels or any(not ok & set(utils.parse_wheel_filename(w.rsplit("/", 1)[1])[3]) for w in wheels))'
+others = [w for w in wheels if not ok & set(utils.parse_wheel_filename(w.rsplit("/", 1)[1])[3])]
+if others or not wheels:
+    print(".gpu-wheels/ is not for this Python (installing online instead):", *others or ["no wheels"],
+          sep="\n  ", file=sys.stderr)
+sys.exit(bool(others or not wheels))'
 }
 if offline_wheels; then
   "${pip[@]}" --no-index --no-deps .gpu-wheels/*.whl

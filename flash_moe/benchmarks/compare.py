@@ -623,7 +623,8 @@ def plot_backward(rows, mm, path, gpu=""):
 
     series = [("fused_moe_bf16_backward", "prime-kernels"), ("fused_moe_bf16_backward", "prime-rl backward"),
               ("fused_moe_bf16_backward", "grouped_mm GEMMs only"), ("fused_moe_bf16_forward_backward", "prime-kernels"),
-              ("fused_moe_bf16_forward_backward", "prime-rl backward")]
+              ("fused_moe_bf16_forward_backward", "prime-rl backward"),
+              ("fused_moe_mxfp8_forward_backward", "prime-kernels")]
     series = [s for s in series if any((r["op"], r["impl"]) == s for r in rows)]
     labels = list(dict.fromkeys(_shape_text(r) for r in rows if r["op"] == "fused_moe_bf16_backward"))
     fig, ax = plt.subplots(figsize=(11, 4.8))
@@ -634,8 +635,9 @@ def plot_backward(rows, mm, path, gpu=""):
             if not r:
                 continue
             x = i + width * j
+            step = ("mxfp8 fwd+bwd" if "mxfp8" in op else "fwd+bwd") if "forward" in op else "bwd"
             ax.bar(x, r[0]["tflops"], width=width, color=f"C{j}", hatch="//" if "forward" in op else None,
-                   label=f"{'fwd+bwd' if 'forward' in op else 'bwd'} {impl}" if i == 0 else None)
+                   label=f"{step} {impl}" if i == 0 else None)
             if "sustained" in r[0]:
                 ax.plot([x - width / 2, x + width / 2], [r[0]["sustained"]["tflops"]] * 2, color="k", lw=2)
     ax.axhline(mm, color="k", ls="--", lw=1, label=f"8192^3 bf16 matmul {mm:.0f}")
@@ -649,14 +651,14 @@ def plot_backward(rows, mm, path, gpu=""):
 
 
 def print_table(rows):
-    print(f"\n{'op':31s} {'shape':30s} {'impl':21s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'rel_err':>8s} "
+    print(f"\n{'op':33s} {'shape':30s} {'impl':21s} {'ms':>8s} {'TFLOP/s':>8s} {'GB/s':>6s} {'rel_err':>8s} "
           f"{'q_floor':>8s}")
     for r in rows:
         tf = f"{r['tflops']:8.1f}" if "tflops" in r else " " * 8
         gb = f"{r['GBps']:6.0f}" if "GBps" in r else " " * 6
         err = f"{r['rel_err_vs_fp32']:8.2e}" if "rel_err_vs_fp32" in r else " " * 8
         fl = f"{r['quant_floor_rel_err']:8.2e}" if "quant_floor_rel_err" in r else " " * 8
-        print(f"{r['op']:31s} {_shape_text(r):30s} {r['impl']:21s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
+        print(f"{r['op']:33s} {_shape_text(r):30s} {r['impl']:21s} {r['ms']:8.3f} {tf} {gb} {err} {fl}")
 
 
 def print_sustained(mm_sustained, rows):
