@@ -430,6 +430,17 @@ def backward_inputs(shape):
     return g, (x, w1, w2, w3, wt), ids, go
 
 
+def training_forward(kernel, shape, inputs, ids):
+    """The training forward a backward timing starts from, on `shape`'s inputs: (routing, preact,
+    out) with routing = moe_align's buffers and top_k, preact the pre-activations it saved."""
+    T, K, I, E, top_k = shape
+    x, w1, w2, w3, wt = inputs
+    routing = (*kernel.moe_align(ids, E), top_k)
+    preact = torch.empty(kernel.preact_numel(routing[0].numel(), I), dtype=torch.bfloat16, device="cuda")
+    out = kernel.functional._forward(x, w1, w2, w3, wt, routing, False, preact)
+    return routing, preact, out
+
+
 def backward_truth(ref, inputs, ids, go):
     """fp32 autograd through the reference on inputs (x, w1, w2, w3, wt): (out, the gradients in
     GRADS order). The leaves are detached copies (.float() of the fp32 wt would be wt itself)."""
@@ -460,10 +471,8 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     def errors(grads):
         return grad_errors(grads, truth)
 
-    sorted_ids, expert_ids, ntpp = kernel.moe_align(ids, E)
-    routing = (sorted_ids, expert_ids, ntpp, top_k)
-    preact = torch.empty(kernel.preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device="cuda")
-    F._forward(x, w1, w2, w3, wt, routing, False, preact)
+    routing, preact, _ = training_forward(kernel, shape, inputs, ids)
+    sorted_ids, expert_ids, ntpp, _ = routing
 
     def backward_at(b):
         return lambda i: F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=b)

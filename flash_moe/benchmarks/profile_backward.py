@@ -31,10 +31,9 @@ def main(argv=None):
     kernel = compare.load_kernel()
     F = kernel.functional
     T, K, I, E, top_k = shape = compare.BACKWARD_SHAPES[args.shape]
-    _, (x, w1, w2, w3, wt), ids, go = compare.backward_inputs(shape)
-    routing = (*kernel.moe_align(ids, E), top_k)
-    preact = torch.empty(kernel.preact_numel(routing[0].numel(), I), dtype=torch.bfloat16, device="cuda")
-    F._forward(x, w1, w2, w3, wt, routing, False, preact)
+    _, inputs, ids, go = compare.backward_inputs(shape)
+    routing, preact, _ = compare.training_forward(kernel, shape, inputs, ids)
+    x, w1, w2, w3, wt = inputs
     bpc = args.bpc if args.bpc is not None else kernel.preferred_bpc(T, K, I, E, top_k, backward=True)
     for call in range(args.calls):
         if call == args.calls - 1:

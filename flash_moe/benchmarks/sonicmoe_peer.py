@@ -159,10 +159,7 @@ def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, moni
     T, K, I, E, top_k = shape
     F = kernel.functional
     x, w1, w2, w3, wt = inputs
-    sorted_ids, expert_ids, ntpp = kernel.moe_align(ids, E)
-    routing = (sorted_ids, expert_ids, ntpp, top_k)
-    preact = torch.empty(kernel.preact_numel(sorted_ids.numel(), I), dtype=torch.bfloat16, device="cuda")
-    out = F._forward(x, w1, w2, w3, wt, routing, False, preact)
+    routing, preact, out = compare.training_forward(kernel, shape, inputs, ids)
 
     def leaves():
         return [t.detach().requires_grad_() for t in inputs]
@@ -294,7 +291,7 @@ def main(argv=None):
     def save():
         path.write_text(json.dumps(compare.results_record(commit, ceil, rows), indent=1))
 
-    for si in [int(s) for s in args.shapes.split(",")]:
+    for si in compare.indices(args.shapes):
         shape = compare.BACKWARD_SHAPES[si]
         _, inputs, ids, go = compare.backward_inputs(shape)
         out_truth, truth = compare.backward_truth(ref, inputs, ids, go)

@@ -112,12 +112,11 @@ def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, 
     rows an expert (flash_moe/DESIGN.md §8.4); dims between 2048 and 4096 are unmeasured.
     """
     if backward:
-        mxfp8 = False  # the backward is bf16 whatever the forward ran
-        if dim < 4096:
+        if dim < 4096:  # the backward is bf16 whatever the forward ran: mxfp8 plays no part
             return 1
-    if mxfp8 or num_tokens * top_k < 2 * BLOCK_M * num_experts:
+    elif mxfp8:
         return 1
-    return 2
+    return 2 if num_tokens * top_k >= 2 * BLOCK_M * num_experts else 1
 
 
 def _default_bpc(x: torch.Tensor, num_experts: int | None, hidden_dim: int | None, top_k: int, **rule) -> int:
