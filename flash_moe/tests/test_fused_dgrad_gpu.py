@@ -213,5 +213,5 @@ def test_dgrad_opcheck(kernel):
     preact = torch.nan_to_num(preact)  # test_schema compares inputs before and after (NaN != NaN)
     # Not test_aot_dispatch_dynamic: it compares every output element of two calls, and dab's and
     # sh's rows past num_tokens_post_padded are unspecified (allocated, never written).
-    torch.library.opcheck(kernel.ops.fused_moe_bf16_dgrad, (g, *_halves(w), w2, preact, *routing, wts, 2),
+    torch.library.opcheck(kernel.ops.fused_moe_bf16_dgrad, (g, *_halves(w), w2, preact, *routing, wts, 2, 1),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -131,4 +131,4 @@ def test_wgrad_opcheck(kernel):
     used = int(routing[2])
     dab[used:] = 0  # test_schema compares the inputs before and after with allclose (NaN != NaN)
     sh[used:] = 0
-    torch.library.opcheck(kernel.ops.fused_moe_bf16_wgrad, (x, g, dab, sh, *routing, E, top_k))
+    torch.library.opcheck(kernel.ops.fused_moe_bf16_wgrad, (x, g, dab, sh, *routing, E, top_k, 1))

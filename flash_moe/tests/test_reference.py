@@ -213,7 +213,7 @@ def test_fake_kernels_shapes(pkg):
         L = (800 + 64 * 127 + 127) // 128 * 128
         assert s.shape == (L,) and e.shape == (L // 128,) and n.shape == (1,)
         x, sh = torch.empty(100, 256, dtype=torch.bfloat16), torch.empty(L, 192, dtype=torch.bfloat16)
-        g1, g3, g2 = pkg.ops.fused_moe_bf16_wgrad(x, x, torch.empty(L, 384, dtype=torch.bfloat16), sh, s, e, n, 64, 8)
+        g1, g3, g2 = pkg.ops.fused_moe_bf16_wgrad(x, x, torch.empty(L, 384, dtype=torch.bfloat16), sh, s, e, n, 64, 8, 1)
         assert g1.shape == g3.shape == (64, 192, 256) and g2.shape == (64, 256, 192)
 
 

@@ -514,13 +514,13 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
   ops.def(
       "fused_moe_bf16_dgrad(Tensor grad_out, Tensor w1, Tensor w3, Tensor w2, Tensor preact, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int bpc=1) "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, Tensor topk_weights, int top_k, int bpc) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_dgrad", torch::kCUDA, &fused_moe_bf16_dgrad);
   ops.impl("fused_moe_bf16_dgrad", torch::kCPU, &fused_moe_bf16_dgrad);
   ops.def(
       "fused_moe_bf16_wgrad(Tensor x, Tensor grad_out, Tensor dab, Tensor sh, Tensor sorted_token_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k, int bpc=1) "
+      "Tensor expert_ids, Tensor num_tokens_post_padded, int num_experts, int top_k, int bpc) "
       "-> (Tensor, Tensor, Tensor)");
   ops.impl("fused_moe_bf16_wgrad", torch::kCUDA, &fused_moe_bf16_wgrad);
   ops.impl("fused_moe_bf16_wgrad", torch::kCPU, &fused_moe_bf16_wgrad);

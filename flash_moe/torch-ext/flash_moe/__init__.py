@@ -421,7 +421,7 @@ def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_dgrad"))
 def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               topk_weights, top_k, bpc=1):
+                               topk_weights, top_k, bpc):
     L, I = sorted_token_ids.shape[0], w1.shape[1]
     return (grad_out.new_empty(grad_out.shape), grad_out.new_empty((L, 2 * I)), grad_out.new_empty((L, I)),
             grad_out.new_empty(topk_weights.shape, dtype=torch.float32))
@@ -429,7 +429,7 @@ def _fused_moe_bf16_dgrad_fake(grad_out, w1, w3, w2, preact, sorted_token_ids, e
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16_wgrad"))
 def _fused_moe_bf16_wgrad_fake(x, grad_out, dab, sh, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                               num_experts, top_k, bpc=1):
+                               num_experts, top_k, bpc):
     K, I = x.shape[1], sh.shape[1]
     return (x.new_empty((num_experts, I, K)), x.new_empty((num_experts, I, K)), x.new_empty((num_experts, K, I)))
 
