@@ -39,5 +39,8 @@ for results in sorted(out.glob("*/h200.json")):
         if by_bpc:
             shape = ",".join(str(v) for v in row["shape"].values())
             one, two = by_bpc["1"], by_bpc["2"]
-            print(f"backward {shape}: bpc=1 {one:.3f} ms, bpc=2 {two:.3f} ms ({two / one - 1:+.1%}); "
+            sus = row.get("sustained_by_bpc")
+            b2b = (f"; back to back {sus['1']['ms']:.3f} / {sus['2']['ms']:.3f} ms "
+                   f"({sus['2']['ms'] / sus['1']['ms'] - 1:+.1%})") if sus else ""
+            print(f"backward {shape}: bpc=1 {one:.3f} ms, bpc=2 {two:.3f} ms ({two / one - 1:+.1%}){b2b}; "
                   f"moe takes bpc={row.get('bpc')}; bits equal: {row.get('bits_equal_across_bpc')}")
