@@ -42,5 +42,7 @@ for results in sorted(out.glob("*/h200.json")):
             sus = row.get("sustained_by_bpc")
             b2b = (f"; back to back {sus['1']['ms']:.3f} / {sus['2']['ms']:.3f} ms "
                    f"({sus['2']['ms'] / sus['1']['ms'] - 1:+.1%})") if sus else ""
+            ops = row.get("sustained_by_op") or {}
+            per_op = "".join(f"; {name} back to back {back_to_back(s)}" for name, s in ops.items())
             print(f"backward {shape}: bpc=1 {one:.3f} ms, bpc=2 {two:.3f} ms ({two / one - 1:+.1%}){b2b}; "
-                  f"moe takes bpc={row.get('bpc')}; bits equal: {row.get('bits_equal_across_bpc')}")
+                  f"moe takes bpc={row.get('bpc')}; bits equal: {row.get('bits_equal_across_bpc')}{per_op}")

@@ -27,7 +27,8 @@ fp32 autograd through the reference (`grad_rel_err_vs_fp32`, the largest as rel_
 Our row runs the backward at the bpc `moe` takes, `preferred_bpc(shape, backward=True)` (recorded as
 `bpc`), and also records it at bpc 1 and 2 (CTA pairs), each timed as `op_alone_ms_by_bpc` is:
 `fused_moe_bf16_dgrad` (`dgrad_ms_by_bpc`), `fused_moe_bf16_wgrad` (`wgrad_ms_by_bpc`) and the
-backward (`backward_ms_by_bpc`, `bits_equal_across_bpc`; back to back: `sustained_by_bpc`).
+backward (`backward_ms_by_bpc`, `bits_equal_across_bpc`; back to back: `sustained_by_bpc`), and
+the dgrad and wgrad ops back to back at `moe`'s bpc (`sustained_by_op`).
 
 Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
 
@@ -508,6 +509,10 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
 
     dgrad_ms = op_alone_by(dgrad_at, args.iters)
     wgrad_ms = op_alone_by(wgrad_at, args.iters)
+    # Each op back to back at moe's bpc (6 * T * k * K * I FLOPs each), with the SM clock it held:
+    # its rate per MHz tells a kernel's own cost from the power limit's (flash_moe/DESIGN.md §8.5 (e)).
+    op_sus = {name: monitor.sustained(at(bpc), 6 * T * top_k * K * I)
+              for name, at in (("dgrad", dgrad_at), ("wgrad", wgrad_at))} if monitor else None
     del dab, sh
     backward_ms = op_alone_by(backward_at, args.iters)
     print(f"{shape} backward: bpc=1 {backward_ms[1]:.3f} ms, bpc=2 {backward_ms[2]:.3f} ms (moe takes bpc={bpc}); "
@@ -523,7 +528,7 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
             max(errs.values()), 12, bpc=bpc, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
             backward_ms_by_bpc=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_bpc=wgrad_ms,
-            bits_equal_across_bpc=same_bits, sustained_by_bpc=sus_by_bpc)
+            bits_equal_across_bpc=same_bits, sustained_by_bpc=sus_by_bpc, sustained_by_op=op_sus)
     errs_p = errors(prime_rl(0))
     moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, median_ms(prime_rl, args.iters),
             max(errs_p.values()), 12, grad_rel_err_vs_fp32=errs_p,
