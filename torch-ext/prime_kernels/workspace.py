@@ -439,7 +439,9 @@ def locked_commit(lock: pathlib.Path, repo_id: str) -> str | None:
     except ValueError as e:
         raise ManifestError(f"{lock}: not a kernels.lock that kernels can read ({e}): regenerate it") from None
     # Locks are keyed by (repo, version); a project locks one version per repo, as kernels assumes.
-    return next((locks[dep].commit for dep in locks.keys() if dep.repo_id == repo_id), None)
+    # str(): kernels >= 0.18 returns the commit as an Oid, which KernelVersion.Revision refuses.
+    commit = next((locks[dep].commit for dep in locks.keys() if dep.repo_id == repo_id), None)
+    return None if commit is None else str(commit)
 
 
 def argument_pin(version: int | None, revision: str | None) -> HubPin | None:
