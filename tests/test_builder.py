@@ -141,6 +141,39 @@ def test_rebuild_is_incremental(built_toy):
     assert result.returncode == 0 and "no work to do" in result.stdout, result.stdout + result.stderr
 
 
+def _carried_copy(built_toy: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """A fresh workspace holding the toy's built variant folder alone, as a copy carried to
+    another machine has it (no .obj/)."""
+    import shutil
+
+    root = make_workspace(dest)
+    variant = _variant(built_toy)
+    shutil.copytree(variant, root / "toy" / "build" / variant.name)
+    return root
+
+
+def test_a_carried_build_of_the_same_sources_is_kept(built_toy, tmp_path):
+    root = _carried_copy(built_toy, tmp_path / "kept")
+    result = build_toy(root)
+    assert result.returncode == 0 and "kept toy:" in result.stdout, result.stdout + result.stderr
+    assert not (root / "toy" / "build" / ".obj").exists()  # nothing compiled
+    # Run again: still kept (keeping writes no build state that would turn it into a local build).
+    assert "kept toy:" in build_toy(root).stdout
+
+
+@pytest.mark.parametrize("change", ["tampered", "sources"])
+def test_a_carried_build_that_differs_is_rebuilt(built_toy, tmp_path, change):
+    root = _carried_copy(built_toy, tmp_path / change)
+    if change == "tampered":  # a file that differs from metadata.json's digest
+        (_variant(root) / "__init__.py").write_text("# not what was built\n")
+    else:  # an edited source: the extension id changes
+        binding = root / "toy" / "torch-ext" / "torch_binding.cpp"
+        binding.write_text(binding.read_text() + "\n// edited\n")
+    result = build_toy(root)
+    assert result.returncode == 0 and "built toy:" in result.stdout and "kept" not in result.stdout, \
+        result.stdout + result.stderr
+
+
 def test_build_loads_with_kernels_get_local_kernel_and_local_kernels(built_toy):
     code = (
         "import kernels, pathlib, prime_kernels.registry as r, prime_kernels as p\n"

@@ -12,7 +12,9 @@
 `<id>` is a digest of the member's sources (kernel-builder uses the git tree id): the same sources
 give the same namespace, and two different builds can be loaded in one process. Objects, the
 generated `registration.h` and `build.ninja` live in `<member>/build/.obj/<variant>/`; ninja makes
-the compiles parallel and incremental.
+the compiles parallel and incremental. A variant folder with no such state whose extension bears
+the current id and whose files match its digest was built elsewhere from the same sources (carried
+to the GPU machine: scripts/gpu-prebuild.sh) and is kept as it is.
 
 A member whose toolchain is unsuitable is skipped with one line (and the reason is left in
 `<member>/build/SKIPPED` for the registry to report); `PRIME_KERNELS_REQUIRE=1` makes a skip fail.
@@ -401,6 +403,27 @@ def write_metadata(spec: KernelSpec, out_dir: pathlib.Path, ext: str) -> dict:
     return metadata
 
 
+def carried_variant(spec: KernelSpec, variant: str) -> bool:
+    """Whether `<member>/build/<variant>/` is a whole build of these very sources made on another
+    machine (built on a CPU machine and carried to the GPU machine, which then need not compile):
+    its extension bears this build's id (`build_id`, a digest of every source file), its files
+    match its metadata.json digest, and no local build state exists for it (ninja's, which also
+    tracks the compile flags, decides where it does)."""
+    from kernels_data import Digest, Metadata
+
+    out_dir = spec.build_dir / variant
+    if not (out_dir / f"{extension_name(spec)}.abi3.so").is_file():
+        return False
+    if (spec.build_dir / ".obj" / variant / "build.ninja").exists():
+        return False
+    try:
+        metadata = Metadata.read_from_file(str(out_dir / "metadata.json"))
+        metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, str(out_dir)))
+    except Exception:  # unreadable, no digest, or files that differ from it: build instead
+        return False
+    return True
+
+
 def build_member(spec: KernelSpec, tc: Toolchain, jobs: int | None = None) -> pathlib.Path:
     plan = write_plan(spec, tc)
     plan.out_dir.mkdir(parents=True, exist_ok=True)
@@ -434,6 +457,11 @@ def build(specs: dict[str, KernelSpec], names: list[str], jobs: int | None = Non
             (spec.build_dir / SKIP_MARKER).write_text(reason + "\n")
             if require:
                 failed.append(f"{spec.name} (skipped; PRIME_KERNELS_REQUIRE=1)")
+            continue
+        if carried_variant(spec, tc.variant()):
+            (spec.build_dir / SKIP_MARKER).unlink(missing_ok=True)
+            log(f"kept {spec.name}: {spec.build_dir.relative_to(spec.directory.parent) / tc.variant()}, "
+                "built elsewhere from these same sources (no local build state; files match their digest)")
             continue
         try:
             out = build_member(spec, tc, jobs)
