@@ -10,12 +10,11 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 TORCH=${GPU_TORCH:-2.11.0}
 VENV=${GPU_VENV:-/tmp/prime-kernels-torch-$TORCH}
-pip=(-m pip install -q --disable-pip-version-check)
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/python" "${pip[@]}" "torch==$TORCH"
-fi
-"$VENV/bin/python" "${pip[@]}" -e ".[build]"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# torch named with the workspace, so that its `torch>=2.11` cannot move it to another release
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch==$TORCH" -e ".[build]"
+"$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH')" 2>/dev/null \
+  || { echo "$VENV does not hold torch $TORCH" >&2; exit 1; }
 PRIME_KERNELS_REQUIRE=1 "$VENV/bin/python" -m prime_kernels build >&2
 variant=$("$VENV/bin/python" -c 'from prime_kernels import builder; print(builder.toolchain().variant())' 2>/dev/null)
 echo "carry these (with .gpu-wheels) in the device call:"

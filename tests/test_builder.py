@@ -152,24 +152,33 @@ def _carried_copy(built_toy: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
     return root
 
 
+KEEP = {builder.KEEP_CARRIED_ENV: "1"}
+
+
 def test_a_carried_build_of_the_same_sources_is_kept(built_toy, tmp_path):
     root = _carried_copy(built_toy, tmp_path / "kept")
-    result = build_toy(root)
+    result = build_toy(root, **KEEP)
     assert result.returncode == 0 and "kept toy:" in result.stdout, result.stdout + result.stderr
     assert not (root / "toy" / "build" / ".obj").exists()  # nothing compiled
     # Run again: still kept (keeping writes no build state that would turn it into a local build).
-    assert "kept toy:" in build_toy(root).stdout
+    assert "kept toy:" in build_toy(root, **KEEP).stdout
 
 
-@pytest.mark.parametrize("change", ["tampered", "sources"])
+@pytest.mark.parametrize("change", ["not asked", "tampered", "sources", "builder inputs"])
 def test_a_carried_build_that_differs_is_rebuilt(built_toy, tmp_path, change):
-    root = _carried_copy(built_toy, tmp_path / change)
+    root = _carried_copy(built_toy, tmp_path / change.replace(" ", "-"))
+    env = {} if change == "not asked" else KEEP  # a local build never keeps one unasked
     if change == "tampered":  # a file that differs from metadata.json's digest
         (_variant(root) / "__init__.py").write_text("# not what was built\n")
-    else:  # an edited source: the extension id changes
+    elif change == "sources":  # an edited source: the extension id changes
         binding = root / "toy" / "torch-ext" / "torch_binding.cpp"
         binding.write_text(binding.read_text() + "\n// edited\n")
-    result = build_toy(root)
+    elif change == "builder inputs":  # made by another builder, torch or nvcc (outside the digest)
+        meta = _variant(root) / "metadata.json"
+        data = json.loads(meta.read_text())
+        data[builder.DEVELOPMENT_KEY]["inputs"] = "0" * 16
+        meta.write_text(json.dumps(data))
+    result = build_toy(root, **env)
     assert result.returncode == 0 and "built toy:" in result.stdout and "kept" not in result.stdout, \
         result.stdout + result.stderr
 

@@ -12,9 +12,9 @@
 `<id>` is a digest of the member's sources (kernel-builder uses the git tree id): the same sources
 give the same namespace, and two different builds can be loaded in one process. Objects, the
 generated `registration.h` and `build.ninja` live in `<member>/build/.obj/<variant>/`; ninja makes
-the compiles parallel and incremental. A variant folder with no such state whose extension bears
-the current id and whose files match its digest was built elsewhere from the same sources (carried
-to the GPU machine: scripts/gpu-prebuild.sh) and is kept as it is.
+the compiles parallel and incremental. With PRIME_KERNELS_KEEP_CARRIED=1 (.ci/gpu-run), a variant
+folder with no such state that another machine built of the same sources with the same builder,
+torch and nvcc (scripts/gpu-prebuild.sh, carried to the GPU machine) is kept as it is.
 
 A member whose toolchain is unsuitable is skipped with one line (and the reason is left in
 `<member>/build/SKIPPED` for the registry to report); `PRIME_KERNELS_REQUIRE=1` makes a skip fail.
@@ -374,16 +374,27 @@ def _copy_python_package(spec: KernelSpec, out_dir: pathlib.Path, ext: str) -> N
 DEVELOPMENT_KEY = "prime-kernels"
 
 
-def development_mark() -> dict:
+def build_inputs(tc: Toolchain) -> str:
+    """What decides a build besides the member's sources (which its id covers): this builder's code
+    (flags, generated files), torch's version and nvcc's major.minor. A hex digest."""
+    key = (pathlib.Path(__file__).read_bytes(), tc.torch_version, tc.torch_cuda, tc.cxx11_abi,
+           tc.nvcc_version[:2] if tc.nvcc_version else None)
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+
+def development_mark(tc: Toolchain | None = None) -> dict:
     libc, version = platform.libc_ver()
-    return {
+    mark = {
         "build": "development",
         "note": (f"compiled by `prime-kernels build` with this machine's toolchain ({libc} {version}), "
                  "not kernel-builder's: for local use; `prime-kernels check-upload` refuses it"),
     }
+    if tc is not None:
+        mark["inputs"] = build_inputs(tc)
+    return mark
 
 
-def write_metadata(spec: KernelSpec, out_dir: pathlib.Path, ext: str) -> dict:
+def write_metadata(spec: KernelSpec, out_dir: pathlib.Path, ext: str, tc: Toolchain | None = None) -> dict:
     from kernels_data import Digest, DigestAlgorithm, Metadata
 
     digest = Digest.hash_variant(DigestAlgorithm.SHA256, out_dir)
@@ -395,7 +406,7 @@ def write_metadata(spec: KernelSpec, out_dir: pathlib.Path, ext: str) -> dict:
         "python-depends": [],
         "backend": {"type": "cuda", "archs": list(spec.capabilities)},
         "digest": {"algorithm": "sha256", "files": dict(sorted(digest.files.items()))},
-        DEVELOPMENT_KEY: development_mark(),
+        DEVELOPMENT_KEY: development_mark(tc),
     }
     path = out_dir / "metadata.json"
     path.write_text(json.dumps(metadata, indent=2) + "\n")
@@ -403,25 +414,30 @@ def write_metadata(spec: KernelSpec, out_dir: pathlib.Path, ext: str) -> dict:
     return metadata
 
 
-def carried_variant(spec: KernelSpec, variant: str) -> bool:
-    """Whether `<member>/build/<variant>/` is a whole build of these very sources made on another
-    machine (built on a CPU machine and carried to the GPU machine, which then need not compile):
-    its extension bears this build's id (`build_id`, a digest of every source file), its files
-    match its metadata.json digest, and no local build state exists for it (ninja's, which also
-    tracks the compile flags, decides where it does)."""
+# Set (to 1) by .ci/gpu-run: keep variants carried from another machine (carried_variant).
+KEEP_CARRIED_ENV = "PRIME_KERNELS_KEEP_CARRIED"
+
+
+def carried_variant(spec: KernelSpec, tc: Toolchain) -> bool:
+    """Whether `<member>/build/<variant>/` is a build that another machine made of these sources
+    with this builder for this torch and nvcc (scripts/gpu-prebuild.sh, carried to the GPU
+    machine, which then need not compile): no local build state exists for it (there ninja
+    decides), its extension bears this build's id (`build_id`, a digest of every source file),
+    its metadata records these `build_inputs`, and its files match its digest."""
     from kernels_data import Digest, Metadata
 
-    out_dir = spec.build_dir / variant
+    out_dir = spec.build_dir / tc.variant()
+    if (spec.build_dir / ".obj" / tc.variant() / "build.ninja").exists():
+        return False
     if not (out_dir / f"{extension_name(spec)}.abi3.so").is_file():
         return False
-    if (spec.build_dir / ".obj" / variant / "build.ninja").exists():
-        return False
     try:
+        mark = json.loads((out_dir / "metadata.json").read_text()).get(DEVELOPMENT_KEY, {})
         metadata = Metadata.read_from_file(str(out_dir / "metadata.json"))
         metadata.digest.validate(Digest.hash_variant(metadata.digest.algorithm, str(out_dir)))
     except Exception:  # unreadable, no digest, or files that differ from it: build instead
         return False
-    return True
+    return mark.get("inputs") == build_inputs(tc)
 
 
 def build_member(spec: KernelSpec, tc: Toolchain, jobs: int | None = None) -> pathlib.Path:
@@ -430,7 +446,7 @@ def build_member(spec: KernelSpec, tc: Toolchain, jobs: int | None = None) -> pa
     run_ninja(plan, jobs)
     (spec.build_dir / SKIP_MARKER).unlink(missing_ok=True)
     _copy_python_package(spec, plan.out_dir, plan.ext)
-    write_metadata(spec, plan.out_dir, plan.ext)
+    write_metadata(spec, plan.out_dir, plan.ext, tc)
     return plan.out_dir
 
 
@@ -458,10 +474,10 @@ def build(specs: dict[str, KernelSpec], names: list[str], jobs: int | None = Non
             if require:
                 failed.append(f"{spec.name} (skipped; PRIME_KERNELS_REQUIRE=1)")
             continue
-        if carried_variant(spec, tc.variant()):
+        if os.environ.get(KEEP_CARRIED_ENV) == "1" and carried_variant(spec, tc):
             (spec.build_dir / SKIP_MARKER).unlink(missing_ok=True)
             log(f"kept {spec.name}: {spec.build_dir.relative_to(spec.directory.parent) / tc.variant()}, "
-                "built elsewhere from these same sources (no local build state; files match their digest)")
+                "carried here: a build of these sources by this builder for this torch and nvcc")
             continue
         try:
             out = build_member(spec, tc, jobs)
