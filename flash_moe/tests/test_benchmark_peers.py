@@ -187,3 +187,21 @@ def test_profile_backward_refuses_bad_arguments(compare, capsys):
         with pytest.raises(SystemExit):
             prof.main(argv)
         assert rule in capsys.readouterr().err
+
+
+def test_ab_builds_refuses_bad_arguments(compare, capsys, tmp_path):
+    """benchmarks/ab_builds.py (two builds against each other) checks its arguments before it loads
+    either build."""
+    ab = kernel_package.load_file("flash_moe_ab_builds", MEMBER / "benchmarks" / "ab_builds.py")
+    b = ["--b", str(tmp_path)]
+    bad = ((b + ["--shapes", "0,5"], "--shapes must be in [0, 5), got [5]"),
+           (b + ["--ops", "wgrad,fwd"], "--ops must be a comma-separated subset of dgrad, wgrad, backward"),
+           (b + ["--bpc", "3"], "--bpc must be 1 or 2, got 3"),
+           (["--b", str(tmp_path / "none")], "--b must be a build/ folder"),
+           ([], "the following arguments are required: --b"))
+    for argv, rule in bad:
+        with pytest.raises(SystemExit):
+            ab.parse_args(argv)
+        assert rule in capsys.readouterr().err, argv
+    args = ab.parse_args(b + ["--a", str(tmp_path), "--shapes", "1,3", "--ops", "wgrad"])
+    assert (args.shapes, args.ops, args.bpc) == ([1, 3], ["wgrad"], None)
