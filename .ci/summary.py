@@ -39,10 +39,10 @@ for results in sorted(out.glob("*/h200.json")):
         if by_bpc:
             shape = ",".join(str(v) for v in row["shape"].values())
             one, two = by_bpc["1"], by_bpc["2"]
-            sus = row.get("sustained_by_bpc")  # two windows per bpc: their mean
-            b2b_ms = {b: sum(w["ms"] for w in sus[b]) / len(sus[b]) for b in ("1", "2")} if sus else None
-            b2b = (f"; back to back {b2b_ms['1']:.3f} / {b2b_ms['2']:.3f} ms "
-                   f"({b2b_ms['2'] / b2b_ms['1'] - 1:+.1%})") if sus else ""
+            b2b, sus = "", row.get("sustained_by_bpc")
+            if sus:  # two windows per bpc: their mean
+                ms = {b: sum(w["ms"] for w in sus[b]) / len(sus[b]) for b in ("1", "2")}
+                b2b = f"; back to back {ms['1']:.3f} / {ms['2']:.3f} ms ({ms['2'] / ms['1'] - 1:+.1%})"
             ops = row.get("sustained_by_op") or {}
             per_op = "".join(f"; {name} back to back {back_to_back(s)}" for name, s in ops.items())
             print(f"backward {shape}: bpc=1 {one:.3f} ms, bpc=2 {two:.3f} ms ({two / one - 1:+.1%}){b2b}; "

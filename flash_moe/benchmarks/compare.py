@@ -525,10 +525,12 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     kernels = profile_kernels(ours) if args.profile else None
     # Back to back at both bpc as well (the power limit may rank them otherwise than spaced timing),
     # two windows each in the order 1 2 2 1, as each window starts in the power state the last left.
-    sus_by_bpc = {1: [], 2: []} if monitor else None
-    for b in (1, 2, 2, 1) if monitor else ():
-        sus_by_bpc[b].append(monitor.sustained(backward_at(b), 12 * T * top_k * K * I))
-    sus = sus_by_bpc[bpc][0] if monitor else None
+    sus_by_bpc = sus = None
+    if monitor:
+        sus_by_bpc = {1: [], 2: []}
+        for b in (1, 2, 2, 1):
+            sus_by_bpc[b].append(monitor.sustained(backward_at(b), 12 * T * top_k * K * I))
+        sus = sus_by_bpc[bpc][0]
     moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
             max(errs.values()), 12, bpc=bpc, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
             backward_ms_by_bpc=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_bpc=wgrad_ms,
