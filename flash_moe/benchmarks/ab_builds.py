@@ -64,26 +64,10 @@ def same_bits(xs, ys):
 
 def shape_rows(builds, shape, args):
     """The rows of one shape: for each op, {shape, op, ms: {A, B}, bits_equal}."""
-    a = builds["A"]
     _, inputs, ids, go = compare.backward_inputs(shape)
-    x, w1, w2, w3, wt = inputs
-    routing, preact, _ = compare.training_forward(a, shape, inputs, ids)
-    sorted_ids, expert_ids, ntpp, top_k = routing
-    E = w1.shape[0]
-    used = int(ntpp)  # dab's and sh's rows past it are never written
-
-    def dgrad(k):
-        return lambda i: builds[k].fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt,
-                                                        top_k, bpc=args.bpc)
-
-    _, dab, sh, _ = dgrad("A")(0)
-
-    def wgrad(k):
-        return lambda i: builds[k].fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k,
-                                                        bpc=args.bpc)
-
-    def backward(k):
-        return lambda i: builds[k].functional.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=args.bpc)
+    routing, preact, _ = compare.training_forward(builds["A"], shape, inputs, ids)
+    used = int(routing[2])  # ntpp: dab's and sh's rows past it are never written
+    _, dab, sh, _ = compare.backward_op(builds["A"], "dgrad", args.bpc, go, inputs, routing, preact)(0)
 
     def defined(op, out):  # the outputs every call writes whole
         if op == "dgrad":
@@ -92,9 +76,10 @@ def shape_rows(builds, shape, args):
         return out
 
     rows = []
-    for op, fn_for in (("dgrad", dgrad), ("wgrad", wgrad), ("backward", backward)):
-        if op not in args.ops:
-            continue
+    for op in (o for o in OPS if o in args.ops):
+        def fn_for(k, op=op):
+            return compare.backward_op(builds[k], op, args.bpc, go, inputs, routing, preact, (dab, sh))
+
         bits = same_bits(defined(op, fn_for("A")(0)), defined(op, fn_for("B")(0)))
         ms = compare.op_alone_by(fn_for, args.iters, keys=("A", "B"))
         rows.append({"shape": list(shape), "op": op, "ms": ms, "bits_equal": bits})

@@ -443,6 +443,26 @@ def training_forward(kernel, shape, inputs, ids):
     return routing, preact, out
 
 
+def backward_op(kernel, op, bpc, go, inputs, routing, preact, dab_sh=None):
+    """A callable i -> the outputs of one of the backward's ops on `kernel` (a flash_moe module) at
+    `bpc`: "dgrad" (`fused_moe_bf16_dgrad`: dx, dab, sh, score partials), "wgrad"
+    (`fused_moe_bf16_wgrad` on dab_sh = the dgrad's (dab, sh)) or "backward"
+    (`functional.fused_backward`), on a shape's inputs (x, w1, w2, w3, wt), grad_out go, and the
+    routing and pre-activations of its training forward (`training_forward`)."""
+    x, w1, w2, w3, wt = inputs
+    sorted_ids, expert_ids, ntpp, top_k = routing
+    if op == "dgrad":
+        return lambda i: kernel.fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt, top_k,
+                                                      bpc=bpc)
+    if op == "wgrad":
+        dab, sh = dab_sh
+        return lambda i: kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, w1.shape[0], top_k,
+                                                      bpc=bpc)
+    if op == "backward":
+        return lambda i: kernel.functional.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=bpc)
+    raise ValueError(f"op must be dgrad, wgrad or backward, got {op!r}")
+
+
 def backward_truth(ref, inputs, ids, go):
     """fp32 autograd through the reference on inputs (x, w1, w2, w3, wt): (out, the gradients in
     GRADS order). The leaves are detached copies (.float() of the fp32 wt would be wt itself)."""
@@ -477,7 +497,7 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     sorted_ids, expert_ids, ntpp, _ = routing
 
     def backward_at(b):
-        return lambda i: F.fused_backward(go, x, w1, w2, w3, wt, routing, preact, bpc=b)
+        return backward_op(kernel, "backward", b, go, inputs, routing, preact)
 
     bpc = kernel.preferred_bpc(T, K, I, E, top_k, backward=True)  # what `moe` runs (bpc=None), recorded
     ours = backward_at(bpc)
@@ -500,13 +520,12 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
 
     # dgrad, wgrad and the backward at bpc 1 and 2 (the same bits)
     def dgrad_at(b):
-        return lambda i: kernel.fused_moe_bf16_dgrad(go, w1, w3, w2, preact, sorted_ids, expert_ids, ntpp, wt, top_k,
-                                                      bpc=b)
+        return backward_op(kernel, "dgrad", b, go, inputs, routing, preact)
 
     _, dab, sh, _ = dgrad_at(1)(0)
 
     def wgrad_at(b):
-        return lambda i: kernel.fused_moe_bf16_wgrad(x, go, dab, sh, sorted_ids, expert_ids, ntpp, E, top_k, bpc=b)
+        return backward_op(kernel, "wgrad", b, go, inputs, routing, preact, (dab, sh))
 
     dgrad_ms = op_alone_by(dgrad_at, args.iters)
     wgrad_ms = op_alone_by(wgrad_at, args.iters)

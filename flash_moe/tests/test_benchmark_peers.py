@@ -6,10 +6,12 @@ that need no GPU: a missing SonicMoE never fails a run, its shapes, targets and 
 import os
 import pathlib
 import sys
+import types
 
 import kernel_package
 import pytest
 import torch
+from test_functional import functional  # noqa: F401 (a fixture: `functional`, the references as its ops)
 
 MEMBER = pathlib.Path(__file__).resolve().parents[1]
 
@@ -187,6 +189,32 @@ def test_profile_backward_refuses_bad_arguments(compare, capsys):
         with pytest.raises(SystemExit):
             prof.main(argv)
         assert rule in capsys.readouterr().err
+
+
+def test_backward_op_calls_each_op_with_its_arguments_in_order(compare, reference, functional):
+    """compare.backward_op (the backward rows' and ab_builds.py's op calls), the references standing
+    in for the kernels: the dgrad then the wgrad it builds give the very gradients of the
+    `fused_backward` it builds (w1 and w3 apart, as a swap would show), and it refuses an unknown op."""
+    T, K, I, E, top_k = 40, 64, 64, 8, 2
+    g = torch.Generator().manual_seed(11)
+    x, go = (torch.randn(T, K, generator=g).bfloat16() for _ in range(2))
+    w1, w3 = ((torch.randn(E, I, K, generator=g) / K ** 0.5).bfloat16() for _ in range(2))
+    w2 = (torch.randn(E, K, I, generator=g) / I ** 0.5).bfloat16()
+    wt, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(top_k, -1)
+    routing = (*reference.moe_align(ids.to(torch.int32), E), top_k)
+    preact = torch.empty(2 * routing[0].numel() * I, dtype=torch.bfloat16)
+    reference.fused_moe_bf16(x, torch.cat([w1, w3], 1), w2, *routing[:3], wt, torch.empty_like(x), top_k,
+                             preact=preact)
+    kernel = types.SimpleNamespace(fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad,
+                                   fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad, functional=functional)
+    inputs = (x, w1, w2, w3, wt)
+    grads = compare.backward_op(kernel, "backward", 1, go, inputs, routing, preact)(0)
+    gx, dab, sh, score = compare.backward_op(kernel, "dgrad", 1, go, inputs, routing, preact)(0)
+    gw1, gw3, gw2 = compare.backward_op(kernel, "wgrad", 1, go, inputs, routing, preact, (dab, sh))(0)
+    assert not torch.equal(gw1, gw3)
+    assert all(torch.equal(a, b) for a, b in zip((gx, gw1, gw2, gw3, score), grads))
+    with pytest.raises(ValueError, match="op must be dgrad, wgrad or backward, got 'fwd'"):
+        compare.backward_op(kernel, "fwd", 1, go, inputs, routing, preact)
 
 
 def test_ab_builds_refuses_bad_arguments(compare, capsys, tmp_path):
