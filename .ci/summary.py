@@ -32,8 +32,10 @@ for results in sorted(out.glob("*/h200.json")):
             rate, frac = f"{row['GBps']:.0f} GB/s", row["GBps"] / ceil["copy_GBps"]
         else:
             rate, frac = f"{row['tflops']:.0f} TF/s", row["tflops"] / ceil["bf16_matmul_TFLOPs"]
+        spaced = row.get("spaced_clock") or {}
+        at = f" (spaced @ {spaced['sm_mhz']:.0f} MHz)" if "sm_mhz" in spaced else ""
         print(f"{row['op']:34} {row['impl']:21} {shape:34} {row['ms']:8.3f} {rate:>12} {frac:10.0%}  "
-              f"{back_to_back(row.get('sustained'))}")
+              f"{back_to_back(row.get('sustained'))}{at}")
     for row in data["rows"]:  # the backward at bpc 1 and 2 (flash_moe compare.py)
         by_bpc = row.get("backward_ms_by_bpc")
         if by_bpc:

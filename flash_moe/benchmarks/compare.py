@@ -45,6 +45,8 @@ Sustained rates (unless --no-sustained): the matmul ceiling and our ops also run
 ~1.5 s while nvidia-smi samples the SM clock, the board power and the sw_power_cap clock-event
 reason every 20 ms; recorded as `sustained` in the ceilings and in our rows ({ms, tflops, sm_mhz,
 power_w, power_capped: the fraction of samples in which nvidia-smi reports that reason active}).
+Each shape's spaced timings all run before its back-to-back windows (`spaced_ms`), and our rows'
+and prime-rl's spaced timing record the same medians over its own span (`spaced_clock`).
 The docs/DESIGN.md §9 timing above leaves ~2 ms idle before each call, which lets a short kernel run much
 of its time at boost clocks; back to back, as in a training step, the matmul and the large MoE
 shapes run at the H200's 700 W power limit, well below boost (flash_moe/DESIGN.md §6).
@@ -132,6 +134,16 @@ class ClockMonitor:
         self.windows.append((t0 + 0.3, time.time(), r))  # the first 0.3 s: clocks still settling
         return r
 
+    def spaced(self, fn, reps):
+        """median_ms(fn, reps), and a dict that stop() fills with the SM clock, power and power-cap
+        fraction over that timing (None when nvidia-smi is not sampling)."""
+        t0 = time.time()
+        ms = median_ms(fn, reps)
+        clock = {} if self.proc is not None else None
+        if clock is not None:
+            self.windows.append((t0, time.time(), clock))
+        return ms, clock
+
     def stop(self):
         if self.proc is None:
             return
@@ -142,6 +154,16 @@ class ClockMonitor:
             samples = parse_clock_samples(f)
         for t0, t1, r in self.windows:
             r.update(window_stats(samples, t0, t1))
+
+
+def spaced_ms(monitor, fn, reps):
+    """(median_ms(fn, reps), the power state it ran in: ClockMonitor.spaced's clock, or None).
+
+    A shape's spaced timings all come before its back-to-back windows: a window leaves the GPU at
+    its power limit for a while after, and a spaced row timed after one ran slower than the same op
+    timed before it (flash_moe/DESIGN.md §8.2); the clock recorded beside it (`spaced_clock`) shows
+    the state it ran in."""
+    return monitor.spaced(fn, reps) if monitor else (median_ms(fn, reps), None)
 
 
 def parse_clock_samples(lines):
@@ -274,7 +296,8 @@ def indices(text):
 def moe_row(rows, op, impl, shape, ms, err, flop_factor=6, **extra):
     """Record and print one MoE row (docs/DESIGN.md §9 schema) of `shape` (T, K, I, E, top_k); its
     FLOPs are flop_factor * T * top_k * K * I (forward 6, backward 12, both 18); err None: a row that
-    does not compute the whole op (no rel_err_vs_fp32). Extra fields that are None are left out."""
+    does not compute the whole op (no rel_err_vs_fp32). Extra fields that are None are left out.
+    Returns the row (a back-to-back window timed later goes in as its `sustained`)."""
     T, K, I, E, top_k = shape
     flops = flop_factor * T * top_k * K * I
     r = {"op": op, "impl": impl, "shape": {"tokens": T, "dim": K, "hidden": I, "experts": E, "top_k": top_k},
@@ -286,6 +309,7 @@ def moe_row(rows, op, impl, shape, ms, err, flop_factor=6, **extra):
     floor = f" (quantization floor {extra['quant_floor_rel_err']:.2e})" if "quant_floor_rel_err" in extra else ""
     err_text = f" rel_err {err:.2e}" if err is not None else ""
     print(f"{shape} {op} {impl} {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s){err_text}{floor}", flush=True)
+    return r
 
 
 def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=None):
@@ -310,7 +334,7 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
     torch.cuda.empty_cache()
 
     def row(impl, ms, err, **extra):
-        moe_row(rows, "fused_moe_mxfp8", impl, SHAPES[si], ms, err, quant_floor_rel_err=floor, **extra)
+        return moe_row(rows, "fused_moe_mxfp8", impl, SHAPES[si], ms, err, quant_floor_rel_err=floor, **extra)
 
     bpc = kernel.preferred_bpc(T, K, I, E, top_k, mxfp8=True)
     bf16_bpc = kernel.preferred_bpc(T, K, I, E, top_k)  # for the dequant+fused_bf16 row
@@ -332,13 +356,12 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
     outs[0].fill_(float("nan"))  # poisoned: an unwritten row shows up in the error
     ours(0)
     err = rel(outs[0])
-    ms = median_ms(ours, args.iters)
+    ms, clock = spaced_ms(monitor, ours, args.iters)
     ms_by_bpc = op_alone_by(ours_op, args.iters)
     print(f"{SHAPES[si]} mxfp8 op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
           f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
-    row("prime-kernels", ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc], op_alone_ms_by_bpc=ms_by_bpc,
-        kernels_ms=profile_kernels(ours) if args.profile else None,
-        sustained=monitor.sustained(ours, flops) if monitor else None)
+    ours_row = row("prime-kernels", ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc], op_alone_ms_by_bpc=ms_by_bpc,
+                   kernels_ms=profile_kernels(ours) if args.profile else None, spaced_clock=clock)
 
     try:
         def deq_unfused(i):
@@ -368,6 +391,8 @@ def mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor=
             note="alternative: dequantize everything, then the bf16 op")
     except Exception as e:  # noqa: BLE001
         print(f"dequant+fused_bf16 failed on {SHAPES[si]}: {e}")
+    if monitor:  # after every spaced timing (spaced_ms)
+        ours_row["sustained"] = monitor.sustained(ours, flops)
     del wq, w2q, ws, w2s, ws_rm, w2s_rm, qsets, aligned
     torch.cuda.empty_cache()
 
@@ -416,19 +441,19 @@ def peak_gb(fn):
     return round((torch.cuda.max_memory_allocated() - base) / 1e9, 3)
 
 
-def backward_inputs(shape):
+def backward_inputs(shape, device="cuda"):
     """The backward rows' inputs on `shape` (T, K, I, E, top_k), seeded by the shape: (g, (x, w1,
     w2, w3, wt), ids, go) with bf16 x (T, K), w1 and w3 (E, I, K), w2 (E, K, I) and grad_out go
     (T, K), int32 ids (T, top_k) of a random top-k and fp32 softmax weights wt (T, top_k); g is
     the generator, which backward_rows draws on from."""
     T, K, I, E, top_k = shape
-    g = torch.Generator(device="cuda").manual_seed(100 + sum(shape))
-    x = torch.randn(T, K, generator=g, device="cuda").bfloat16()
-    w1, w3 = ((torch.randn(E, I, K, generator=g, device="cuda") / K ** 0.5).bfloat16() for _ in range(2))
-    w2 = (torch.randn(E, K, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
-    ids = torch.rand(T, E, generator=g, device="cuda").topk(top_k, dim=1).indices.to(torch.int32)
-    wt = torch.softmax(torch.randn(T, top_k, generator=g, device="cuda"), -1)
-    go = torch.randn(T, K, generator=g, device="cuda").bfloat16()
+    g = torch.Generator(device=device).manual_seed(100 + sum(shape))
+    x = torch.randn(T, K, generator=g, device=device).bfloat16()
+    w1, w3 = ((torch.randn(E, I, K, generator=g, device=device) / K ** 0.5).bfloat16() for _ in range(2))
+    w2 = (torch.randn(E, K, I, generator=g, device=device) / I ** 0.5).bfloat16()
+    ids = torch.rand(T, E, generator=g, device=device).topk(top_k, dim=1).indices.to(torch.int32)
+    wt = torch.softmax(torch.randn(T, top_k, generator=g, device=device), -1)
+    go = torch.randn(T, K, generator=g, device=device).bfloat16()
     return g, (x, w1, w2, w3, wt), ids, go
 
 
@@ -438,7 +463,7 @@ def training_forward(kernel, shape, inputs, ids):
     T, K, I, E, top_k = shape
     x, w1, w2, w3, wt = inputs
     routing = (*kernel.moe_align(ids, E), top_k)
-    preact = torch.empty(kernel.preact_numel(routing[0].numel(), I), dtype=torch.bfloat16, device="cuda")
+    preact = torch.empty(kernel.preact_numel(routing[0].numel(), I), dtype=torch.bfloat16, device=x.device)
     out = kernel.functional._forward(x, w1, w2, w3, wt, routing, False, preact)
     return routing, preact, out
 
@@ -483,7 +508,8 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     (`backward_gemms`), and forward+backward through autograd (ours: `moe`; prime-rl's: our
     forward with its backward), with each gradient's error against fp32 autograd through the
     reference and the peak memory of forward+backward. One input set (the weights, read once per
-    call, exceed L2 at every shape)."""
+    call, exceed L2 at every shape). Every spaced timing comes before the shape's back-to-back
+    windows (see `spaced_ms`)."""
     T, K, I, E, top_k = shape
     F = kernel.functional
     g, inputs, ids, go = backward_inputs(shape)
@@ -518,6 +544,10 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
         lv = leaves_of(i)
         peer.PrimeRlFusedMoE.apply(lv[0], lv[1], lv[2], lv[3], ids, lv[4], E, False).backward(go)
 
+    def ours_mxfp8_both(i):  # a trainer's moe(mxfp8=True): its backward is the bf16 one
+        lv = leaves_of(i)
+        kernel.moe(lv[0], lv[1], lv[2], lv[3], ids, lv[4], mxfp8=True).backward(go)
+
     # dgrad, wgrad and the backward at bpc 1 and 2 (the same bits)
     def dgrad_at(b):
         return backward_op(kernel, "dgrad", b, go, inputs, routing, preact)
@@ -527,13 +557,9 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     def wgrad_at(b):
         return backward_op(kernel, "wgrad", b, go, inputs, routing, preact, (dab, sh))
 
+    # Spaced timings.
     dgrad_ms = op_alone_by(dgrad_at, args.iters)
     wgrad_ms = op_alone_by(wgrad_at, args.iters)
-    # Each op back to back at moe's bpc (6 * T * k * K * I FLOPs each), with the SM clock it held:
-    # its rate per MHz tells a kernel's own cost from the power limit's (flash_moe/DESIGN.md §8.5 (e)).
-    op_sus = {name: monitor.sustained(at(bpc), 6 * T * top_k * K * I)
-              for name, at in (("dgrad", dgrad_at), ("wgrad", wgrad_at))} if monitor else None
-    del dab, sh
     backward_ms = op_alone_by(backward_at, args.iters)
     print(f"{shape} backward: bpc=1 {backward_ms[1]:.3f} ms, bpc=2 {backward_ms[2]:.3f} ms (moe takes bpc={bpc}); "
           f"dgrad {dgrad_ms[1]:.3f} / {dgrad_ms[2]:.3f}; wgrad {wgrad_ms[1]:.3f} / {wgrad_ms[2]:.3f} ms", flush=True)
@@ -542,47 +568,52 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
         print(f"{shape} WARNING: the backward's gradients differ between bpc 1 and 2", flush=True)
     errs = errors(ours(0))
     kernels = profile_kernels(ours) if args.profile else None
-    # Back to back at both bpc as well (the power limit may rank them otherwise than spaced timing),
-    # two windows each in the order 1 2 2 1, as each window starts in the power state the last left.
-    sus_by_bpc = sus = None
-    if monitor:
-        sus_by_bpc = {1: [], 2: []}
-        for b in (1, 2, 2, 1):
-            sus_by_bpc[b].append(monitor.sustained(backward_at(b), 12 * T * top_k * K * I))
-        sus = sus_by_bpc[bpc][0]
-    moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, median_ms(ours, args.iters),
-            max(errs.values()), 12, bpc=bpc, grad_rel_err_vs_fp32=errs, kernels_ms=kernels, sustained=sus,
-            backward_ms_by_bpc=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_bpc=wgrad_ms,
-            bits_equal_across_bpc=same_bits, sustained_by_bpc=sus_by_bpc, sustained_by_op=op_sus)
+    ours_ms, ours_clock = spaced_ms(monitor, ours, args.iters)
     errs_p = errors(prime_rl(0))
-    moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, median_ms(prime_rl, args.iters),
-            max(errs_p.values()), 12, grad_rel_err_vs_fp32=errs_p,
-            sustained=monitor.sustained(prime_rl, 12 * T * top_k * K * I) if monitor else None)
+    prime_rl_ms, prime_rl_clock = spaced_ms(monitor, prime_rl, args.iters)
 
     live = F._live(sorted_ids, ntpp, T * top_k)[1]
     row = torch.where(live, sorted_ids.long() // top_k, T)
     xs, gs = (torch.cat([t, t.new_zeros(1, K)])[row] for t in (x, go))
-    h = torch.randn(sorted_ids.numel(), I, generator=g, device="cuda").bfloat16()
-    dab = torch.randn(sorted_ids.numel(), 2 * I, generator=g, device="cuda").bfloat16()
+    h_rand = torch.randn(sorted_ids.numel(), I, generator=g, device=x.device).bfloat16()
+    dab_rand = torch.randn(sorted_ids.numel(), 2 * I, generator=g, device=x.device).bfloat16()
     w = torch.cat([w1, w3], 1)
     offs = F._group_ends(expert_ids, E, sorted_ids.numel())
-    moe_row(rows, "fused_moe_bf16_backward", "grouped_mm GEMMs only", shape,
-            median_ms(lambda i: backward_gemms(xs, gs, h, dab, offs, w, w2), args.iters), None, 12,
-            note="the four backward GEMMs alone (torch._grouped_mm), rows pre-gathered by position")
-    del xs, gs, h, dab, w
+    gemms_ms = median_ms(lambda i: backward_gemms(xs, gs, h_rand, dab_rand, offs, w, w2), args.iters)
+    del xs, gs, h_rand, dab_rand, w
 
-    for impl, fn in (("prime-kernels", ours_both), ("prime-rl backward", prime_rl_both)):
-        moe_row(rows, "fused_moe_bf16_forward_backward", impl, shape, median_ms(fn, args.iters), None, 18,
-                peak_GB=peak_gb(fn),
-                sustained=monitor.sustained(fn, 18 * T * top_k * K * I) if monitor and impl == "prime-kernels"
-                else None)
+    both = [("fused_moe_bf16_forward_backward", "prime-kernels", ours_both),
+            ("fused_moe_bf16_forward_backward", "prime-rl backward", prime_rl_both)]
     if args.mxfp8 and kernel.unsupported_shape_reason(K, I, mxfp8=True) is None:
-        def ours_mxfp8_both(i):  # a trainer's moe(mxfp8=True): its backward is the bf16 one
-            lv = leaves_of(i)
-            kernel.moe(lv[0], lv[1], lv[2], lv[3], ids, lv[4], mxfp8=True).backward(go)
+        both.append(("fused_moe_mxfp8_forward_backward", "prime-kernels", ours_mxfp8_both))
+    both_ms = [(median_ms(fn, args.iters), peak_gb(fn)) for _, _, fn in both]
 
-        moe_row(rows, "fused_moe_mxfp8_forward_backward", "prime-kernels", shape,
-                median_ms(ours_mxfp8_both, args.iters), None, 18, peak_GB=peak_gb(ours_mxfp8_both))
+    # Back-to-back windows: the backward at both bpc (the power limit may rank them otherwise than
+    # spaced timing), two windows each in the order 1 2 2 1, as each window starts in the power
+    # state the last left; each op at moe's bpc (6 * T * k * K * I FLOPs each), whose rate per MHz
+    # tells a kernel's own cost from the power limit's (flash_moe/DESIGN.md §8.5 (e)).
+    sus = sus_by_bpc = op_sus = prime_rl_sus = both_sus = None
+    if monitor:
+        op_sus = {name: monitor.sustained(at(bpc), 6 * T * top_k * K * I)
+                  for name, at in (("dgrad", dgrad_at), ("wgrad", wgrad_at))}
+        sus_by_bpc = {1: [], 2: []}
+        for b in (1, 2, 2, 1):
+            sus_by_bpc[b].append(monitor.sustained(backward_at(b), 12 * T * top_k * K * I))
+        sus = sus_by_bpc[bpc][0]
+        prime_rl_sus = monitor.sustained(prime_rl, 12 * T * top_k * K * I)
+        both_sus = monitor.sustained(ours_both, 18 * T * top_k * K * I)
+    del dab, sh
+
+    moe_row(rows, "fused_moe_bf16_backward", "prime-kernels", shape, ours_ms, max(errs.values()), 12, bpc=bpc,
+            grad_rel_err_vs_fp32=errs, kernels_ms=kernels, spaced_clock=ours_clock, sustained=sus,
+            backward_ms_by_bpc=backward_ms, dgrad_ms_by_bpc=dgrad_ms, wgrad_ms_by_bpc=wgrad_ms,
+            bits_equal_across_bpc=same_bits, sustained_by_bpc=sus_by_bpc, sustained_by_op=op_sus)
+    moe_row(rows, "fused_moe_bf16_backward", "prime-rl backward", shape, prime_rl_ms, max(errs_p.values()), 12,
+            grad_rel_err_vs_fp32=errs_p, spaced_clock=prime_rl_clock, sustained=prime_rl_sus)
+    moe_row(rows, "fused_moe_bf16_backward", "grouped_mm GEMMs only", shape, gemms_ms, None, 12,
+            note="the four backward GEMMs alone (torch._grouped_mm), rows pre-gathered by position")
+    for (op, impl, fn), (ms, peak) in zip(both, both_ms):
+        moe_row(rows, op, impl, shape, ms, None, 18, peak_GB=peak, sustained=both_sus if fn is ours_both else None)
     del preact, truth
     torch.cuda.empty_cache()
 
@@ -812,14 +843,14 @@ def main():
         outs[0].fill_(float("nan"))  # poisoned: an unwritten row shows up in the error
         ours(0)
         err = rel(outs[0])
-        ms = median_ms(ours, args.iters)
+        ms, clock = spaced_ms(monitor, ours, args.iters)
         ms_by_bpc = op_alone_by(ours_op, args.iters)
         kernels = profile_kernels(ours) if args.profile else None
         print(f"{SHAPES[si]} op alone: bpc=1 {ms_by_bpc[1]:.3f} ms, bpc=2 {ms_by_bpc[2]:.3f} ms "
               f"({flops / ms_by_bpc[bpc] / 1e9:.0f} TFLOP/s at bpc={bpc})", flush=True)
-        moe_row(rows, "fused_moe_bf16", "prime-kernels", SHAPES[si], ms, err, bpc=bpc, op_alone_ms=ms_by_bpc[bpc],
-                op_alone_ms_by_bpc=ms_by_bpc, kernels_ms=kernels,
-                sustained=monitor.sustained(ours, flops) if monitor else None)
+        ours_row = moe_row(rows, "fused_moe_bf16", "prime-kernels", SHAPES[si], ms, err, bpc=bpc,
+                           op_alone_ms=ms_by_bpc[bpc], op_alone_ms_by_bpc=ms_by_bpc, kernels_ms=kernels,
+                           spaced_clock=clock)
 
         try:
             wg = w[:, :I].transpose(1, 2)
@@ -857,8 +888,10 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"liger failed on {SHAPES[si]}: {e}")
         del aligned
-        if mx_skip is None:
+        if mx_skip is None:  # its spaced timings, then its back-to-back window
             mxfp8_moe_rows(kernel, ref, args, si, w, w2, sets, outs, rel, rows, monitor)
+        if monitor:  # after every spaced timing of the shape (spaced_ms)
+            ours_row["sustained"] = monitor.sustained(ours, flops)
         del w, w2, sets, outs, truth
         torch.cuda.empty_cache()
 

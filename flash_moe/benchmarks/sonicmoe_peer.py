@@ -129,12 +129,14 @@ def rel(a, b):
 
 
 def measure(name, shape, fwd, bwd, both, args, monitor):
-    """{part: (spaced median ms, back-to-back dict or None)} of fwd, bwd and both(i)."""
+    """{part: (spaced median ms, back-to-back dict or None)} of fwd, bwd and both(i): the three
+    spaced timings first, then the three windows (compare.spaced_ms says why)."""
     T, K, I, E, top_k = shape
+    parts = (("fwd", fwd, 6), ("bwd", bwd, 12), ("both", both, 18))
+    spaced = {part: compare.median_ms(fn, args.iters) for part, fn, _ in parts}
     t = {}
-    for part, fn, factor in (("fwd", fwd, 6), ("bwd", bwd, 12), ("both", both, 18)):
-        ms = compare.median_ms(fn, args.iters)
-        sus = monitor.sustained(fn, factor * T * top_k * K * I) if monitor else None
+    for part, fn, factor in parts:
+        ms, sus = spaced[part], monitor.sustained(fn, factor * T * top_k * K * I) if monitor else None
         t[part] = (ms, sus)
         print(f"{shape} {name} {part}: {ms:.3f} ms" + (f", back to back {sus['ms']:.3f} ms" if sus else ""),
               flush=True)
@@ -183,8 +185,8 @@ def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, moni
         return torch.autograd.grad(graph, lv, go, retain_graph=True)
 
     grads = bwd(0)
+    autograd_ms = compare.median_ms(bwd_autograd, args.iters)  # spaced: before measure's windows
     t = measure("prime-kernels", shape, fwd, bwd, both, args, monitor)
-    autograd_ms = compare.median_ms(bwd_autograd, args.iters)
     print(f"{shape} prime-kernels bwd through autograd.grad(retain_graph): {autograd_ms:.3f} ms", flush=True)
     record(rows, "prime-kernels", shape, t, rel(out, out_truth), compare.grad_errors(grads, truth),
            compare.peak_gb(both), "functional.fused_backward on the saved pre-activations (compare.py's row)",

@@ -217,6 +217,54 @@ def test_backward_op_calls_each_op_with_its_arguments_in_order(compare, referenc
         compare.backward_op(kernel, "fwd", 1, go, inputs, routing, preact)
 
 
+def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(compare, reference, functional,
+                                                                           monkeypatch):
+    """compare.backward_rows on the CPU, the references standing in for the kernels and the timing
+    faked (each timing runs its callable once): it records its five rows with their fields, and
+    every spaced timing of the shape comes before its first back-to-back window, which leaves the
+    GPU at its power limit for a while after."""
+    events = []
+
+    def spaced(fn, reps, **kwargs):
+        fn(0)
+        events.append("spaced")
+        return 1.0
+
+    class Monitor:
+        def spaced(self, fn, reps):
+            return spaced(fn, reps), {"sm_mhz": 1980}
+
+        def sustained(self, fn, flops, secs=1.5):
+            fn(0)
+            events.append("window")
+            return {"ms": 2.0, "tflops": 1.0}
+
+    monkeypatch.setattr(compare, "median_ms", spaced)
+    monkeypatch.setattr(compare, "peak_gb", lambda fn: fn(0) or 0.5)
+    on_gpu = compare.backward_inputs
+    monkeypatch.setattr(compare, "backward_inputs", lambda shape: on_gpu(shape, device="cpu"))
+    kernel = types.SimpleNamespace(
+        moe_align=reference.moe_align, preact_numel=lambda L, I: 2 * L * I, functional=functional, moe=functional.moe,
+        fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
+        preferred_bpc=lambda *shape, backward: 2)
+    args = types.SimpleNamespace(iters=2, profile=False, mxfp8=False)
+    rows = []
+    compare.backward_rows(kernel, reference, compare.load_prime_rl_peer(), args, (48, 64, 64, 8, 2), rows, Monitor())
+
+    assert events.count("window") == 8  # dgrad, wgrad, the backward 1 2 2 1, prime-rl's, forward+backward
+    assert "spaced" not in events[events.index("window"):]
+    assert [(r["op"], r["impl"]) for r in rows] == [
+        ("fused_moe_bf16_backward", "prime-kernels"), ("fused_moe_bf16_backward", "prime-rl backward"),
+        ("fused_moe_bf16_backward", "grouped_mm GEMMs only"), ("fused_moe_bf16_forward_backward", "prime-kernels"),
+        ("fused_moe_bf16_forward_backward", "prime-rl backward")]
+    ours, prime_rl = rows[0], rows[1]
+    assert ours["bpc"] == 2 and ours["bits_equal_across_bpc"] and ours["spaced_clock"] == {"sm_mhz": 1980}
+    assert ours["sustained"] is ours["sustained_by_bpc"][2][0] and set(ours["sustained_by_op"]) == {"dgrad", "wgrad"}
+    assert max(ours["grad_rel_err_vs_fp32"].values()) < 2e-2 and max(prime_rl["grad_rel_err_vs_fp32"].values()) < 2e-2
+    assert "sustained" in prime_rl and "sustained" in rows[3] and "sustained" not in rows[4]
+    assert rows[3]["peak_GB"] == rows[4]["peak_GB"] == 0.5
+
+
 def test_ab_builds_refuses_bad_arguments(compare, capsys, tmp_path):
     """benchmarks/ab_builds.py (two builds against each other) checks its arguments before it loads
     either build."""
