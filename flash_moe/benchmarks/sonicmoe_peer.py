@@ -5,7 +5,8 @@ Why: our backward's targets (flash_moe/DESIGN.md §8) are set against SonicMoE's
 ≥ 1.3× / 1.25× / 1.15× at BACKWARD_SHAPES[0..2] (`TARGETS`), in the spaced timing
 (compare.median_ms: a GPU spin before each call) and back to back (ClockMonitor.sustained: ~1.5 s
 of calls, where the H200 runs at its power limit). Both must hold, so both are measured here,
-ours first on each shape (docs/DESIGN.md §9), SonicMoE right after on the same inputs.
+ours first on each shape (docs/DESIGN.md §9), SonicMoE right after on the same inputs, and both
+impls' back-to-back windows after both impls' spaced timings (`Timed`).
 
 Per shape, for ours and for SonicMoE: the training forward (leaves that require grad, so each saves
 what its backward needs; routing metadata included: our moe_align, SonicMoE's
@@ -128,36 +129,47 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def measure(name, shape, fwd, bwd, both, args, monitor):
-    """{part: (spaced median ms, back-to-back dict or None)} of fwd, bwd and both(i): the three
-    spaced timings first, then the three windows (compare.spaced_ms says why)."""
-    T, K, I, E, top_k = shape
-    parts = (("fwd", fwd, 6), ("bwd", bwd, 12), ("both", both, 18))
-    spaced = {part: compare.median_ms(fn, args.iters) for part, fn, _ in parts}
-    t = {}
-    for part, fn, factor in parts:
-        ms, sus = spaced[part], monitor.sustained(fn, factor * T * top_k * K * I) if monitor else None
-        t[part] = (ms, sus)
-        print(f"{shape} {name} {part}: {ms:.3f} ms" + (f", back to back {sus['ms']:.3f} ms" if sus else ""),
-              flush=True)
-    return t
+PARTS = (("fwd", 6), ("bwd", 12), ("both", 18))  # each part's FLOPs: factor * T * top_k * K * I
 
 
-def record(rows, impl, shape, t, out_err, grad_errs, peak, bwd_note, out_vs_ours=None, **extra):
-    """The three rows of one impl on one shape; `extra` goes on the backward row."""
-    minus = {"fwd_bwd_minus_fwd_ms": t["both"][0] - t["fwd"][0]}
-    if t["fwd"][1]:
-        minus["sustained_fwd_bwd_minus_fwd_ms"] = t["both"][1]["ms"] - t["fwd"][1]["ms"]
-    compare.moe_row(rows, "fused_moe_bf16", impl, shape, t["fwd"][0], out_err, 6, note=FWD_NOTE,
-                    sustained=t["fwd"][1], rel_err_vs_ours=out_vs_ours)
-    compare.moe_row(rows, "fused_moe_bf16_backward", impl, shape, t["bwd"][0], max(grad_errs.values()), 12,
-                    grad_rel_err_vs_fp32=grad_errs, note=bwd_note, sustained=t["bwd"][1], **minus, **extra)
-    compare.moe_row(rows, "fused_moe_bf16_forward_backward", impl, shape, t["both"][0], None, 18, peak_GB=peak,
-                    sustained=t["both"][1])
+class Timed:
+    """One impl's timings on one shape: `fns` {part: fn(i)} of fwd, bwd and both; `t` {part:
+    (spaced median ms, back-to-back dict or None)}; `rows` {part: its recorded row}. Both impls'
+    spaced timings run before either's windows (`windows`; compare.spaced_ms says why)."""
+
+    def __init__(self, name, shape, fwd, bwd, both, args):
+        self.name, self.shape = name, shape
+        self.fns = {"fwd": fwd, "bwd": bwd, "both": both}
+        self.t = {part: (compare.median_ms(fn, args.iters), None) for part, fn in self.fns.items()}
+        self.rows = {}
+        for part, (ms, _) in self.t.items():
+            print(f"{shape} {name} {part}: {ms:.3f} ms", flush=True)
+
+    def windows(self, monitor):
+        """The three parts back to back, recorded in `t` and in the rows."""
+        T, K, I, E, top_k = self.shape
+        for part, factor in PARTS:
+            sus = monitor.sustained(self.fns[part], factor * T * top_k * K * I)
+            self.t[part] = (self.t[part][0], sus)
+            self.rows[part]["sustained"] = sus
+            print(f"{self.shape} {self.name} {part}: back to back {sus['ms']:.3f} ms", flush=True)
+        self.rows["bwd"]["sustained_fwd_bwd_minus_fwd_ms"] = round(
+            self.t["both"][1]["ms"] - self.t["fwd"][1]["ms"], 6)
+
+    def record(self, rows, out_err, grad_errs, peak, bwd_note, out_vs_ours=None, **extra):
+        """The three rows of the impl on the shape; `extra` goes on the backward row."""
+        t, impl, shape = self.t, self.name, self.shape
+        self.rows["fwd"] = compare.moe_row(rows, "fused_moe_bf16", impl, shape, t["fwd"][0], out_err, 6,
+                                           note=FWD_NOTE, rel_err_vs_ours=out_vs_ours)
+        self.rows["bwd"] = compare.moe_row(rows, "fused_moe_bf16_backward", impl, shape, t["bwd"][0],
+                                           max(grad_errs.values()), 12, grad_rel_err_vs_fp32=grad_errs, note=bwd_note,
+                                           fwd_bwd_minus_fwd_ms=t["both"][0] - t["fwd"][0], **extra)
+        self.rows["both"] = compare.moe_row(rows, "fused_moe_bf16_forward_backward", impl, shape, t["both"][0], None,
+                                            18, peak_GB=peak)
 
 
-def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, monitor):
-    """Our rows on one shape; (out, grads in GRADS order, timings)."""
+def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows):
+    """Our rows on one shape, spaced timings only; (out, grads in GRADS order, Timed)."""
     T, K, I, E, top_k = shape
     F = kernel.functional
     x, w1, w2, w3, wt = inputs
@@ -185,17 +197,17 @@ def ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows, moni
         return torch.autograd.grad(graph, lv, go, retain_graph=True)
 
     grads = bwd(0)
-    autograd_ms = compare.median_ms(bwd_autograd, args.iters)  # spaced: before measure's windows
-    t = measure("prime-kernels", shape, fwd, bwd, both, args, monitor)
+    timed = Timed("prime-kernels", shape, fwd, bwd, both, args)
+    autograd_ms = compare.median_ms(bwd_autograd, args.iters)
     print(f"{shape} prime-kernels bwd through autograd.grad(retain_graph): {autograd_ms:.3f} ms", flush=True)
-    record(rows, "prime-kernels", shape, t, rel(out, out_truth), compare.grad_errors(grads, truth),
-           compare.peak_gb(both), "functional.fused_backward on the saved pre-activations (compare.py's row)",
-           bpc=bpc, autograd_ms=autograd_ms, kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
-    return out, grads, t
+    timed.record(rows, rel(out, out_truth), compare.grad_errors(grads, truth), compare.peak_gb(both),
+                 "functional.fused_backward on the saved pre-activations (compare.py's row)",
+                 bpc=bpc, autograd_ms=autograd_ms, kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
+    return out, grads, timed
 
 
-def sonic_part(sonic, args, shape, inputs, ids, go, out_truth, truth, ours_out, ours_grads, rows, monitor):
-    """SonicMoE's rows on one shape; its timings."""
+def sonic_part(sonic, args, shape, inputs, ids, go, out_truth, truth, ours_out, ours_grads, rows):
+    """SonicMoE's rows on one shape, spaced timings only; its Timed."""
     moe_general_routing_inputs, swiglu = sonic
     T, K, I, E, top_k = shape
     x, w1, w2, w3, wt = inputs
@@ -238,12 +250,12 @@ def sonic_part(sonic, args, shape, inputs, ids, go, out_truth, truth, ours_out, 
     if max(out_err, *errs.values()) > 2e-2:
         print(f"{shape} WARNING: SonicMoE is far from the fp32 truth: check how it is called", flush=True)
 
-    t = measure("sonicmoe", shape, fwd, bwd, both, args, monitor)
-    record(rows, "sonicmoe", shape, t, out_err, errs, compare.peak_gb(both),
-           "torch.autograd.grad(retain_graph=True) on one forward's graph: its backward kernels alone",
-           out_vs_ours=out_vs_ours, grad_rel_err_vs_ours=vs_ours,
-           kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
-    return t
+    timed = Timed("sonicmoe", shape, fwd, bwd, both, args)
+    timed.record(rows, out_err, errs, compare.peak_gb(both),
+                 "torch.autograd.grad(retain_graph=True) on one forward's graph: its backward kernels alone",
+                 out_vs_ours=out_vs_ours, grad_rel_err_vs_ours=vs_ours,
+                 kernels_ms=compare.profile_kernels(bwd) if args.profile else None)
+    return timed
 
 
 def _b2b_bwd_ms(t):
@@ -297,20 +309,25 @@ def main(argv=None):
         shape = compare.BACKWARD_SHAPES[si]
         _, inputs, ids, go = compare.backward_inputs(shape)
         out_truth, truth = compare.backward_truth(ref, inputs, ids, go)
-        ours_out, ours_grads, ours_t = ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows,
-                                                 monitor)
+        ours_out, ours_grads, ours = ours_part(kernel, args, shape, inputs, ids, go, out_truth, truth, rows)
         save()
-        sonic_t = None
+        sonic_timed = None
         faulthandler.dump_traceback_later(args.peer_timeout, exit=False)
         try:
-            sonic_t = sonic_part(sonic, args, shape, inputs, ids, go, out_truth, truth, ours_out, ours_grads, rows,
-                                 monitor)
+            sonic_timed = sonic_part(sonic, args, shape, inputs, ids, go, out_truth, truth, ours_out, ours_grads,
+                                     rows)
+            save()
+            if monitor:  # both impls' windows after both impls' spaced timings
+                ours.windows(monitor)
+                sonic_timed.windows(monitor)
         except Exception as e:  # noqa: BLE001  (our rows are kept; the next shape still runs)
             print(f"{shape} SonicMoE failed: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
         finally:
             faulthandler.cancel_dump_traceback_later()
-        summary.append((shape, TARGETS.get(si), ours_t, sonic_t))
+        if monitor and ours.t["fwd"][1] is None:  # SonicMoE failed before the windows: ours still get theirs
+            ours.windows(monitor)
+        summary.append((shape, TARGETS.get(si), ours.t, sonic_timed.t if sonic_timed else None))
         save()
         del inputs, ids, go, out_truth, truth, ours_out, ours_grads
         torch.cuda.empty_cache()

@@ -171,6 +171,32 @@ def test_sonicmoe_peer_table_needs_both_ratios(sonicmoe_peer, capsys):
     assert verdicts == ["yes", "no", "-", "-"]
 
 
+def test_sonicmoe_peer_records_spaced_rows_then_adds_their_windows(sonicmoe_peer, monkeypatch):
+    """sonicmoe_peer.Timed: the three spaced timings at construction, the rows recorded from them,
+    and `windows` (run after both impls' spaced timings) adds each part's back-to-back timing to its
+    row and the backward row's back-to-back fwd+bwd minus fwd."""
+    compare = sonicmoe_peer.compare
+    calls = []
+    monkeypatch.setattr(compare, "median_ms", lambda fn, reps: calls.append(("spaced", fn(0))) or 3.0)
+
+    class Monitor:
+        def sustained(self, fn, flops):
+            calls.append(("window", fn(0)))
+            return {"ms": {"fwd": 1.0, "bwd": 2.0, "both": 3.5}[fn(0)], "tflops": 1.0}
+
+    shape = (8, 64, 64, 4, 2)
+    timed = sonicmoe_peer.Timed("sonicmoe", shape, lambda i: "fwd", lambda i: "bwd", lambda i: "both",
+                                types.SimpleNamespace(iters=2))
+    rows = []
+    timed.record(rows, 1e-3, {"x": 2e-3}, 0.5, "note")
+    assert [r["op"] for r in rows] == ["fused_moe_bf16", "fused_moe_bf16_backward", "fused_moe_bf16_forward_backward"]
+    assert calls == [("spaced", "fwd"), ("spaced", "bwd"), ("spaced", "both")] and "sustained" not in rows[1]
+    timed.windows(Monitor())
+    assert calls[3:] == [("window", "fwd"), ("window", "bwd"), ("window", "both")]
+    assert [r["sustained"]["ms"] for r in rows] == [1.0, 2.0, 3.5] and timed.t["bwd"] == (3.0, rows[1]["sustained"])
+    assert rows[1]["fwd_bwd_minus_fwd_ms"] == 0.0 and rows[1]["sustained_fwd_bwd_minus_fwd_ms"] == 2.5
+
+
 def test_sonicmoe_peer_caches_under_the_given_root_unless_set(sonicmoe_peer, monkeypatch, tmp_path):
     monkeypatch.delenv("QUACK_CACHE_DIR", raising=False)
     monkeypatch.delenv("QUACK_CACHE_AUTOTUNING", raising=False)
