@@ -291,6 +291,40 @@ def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(comp
     assert rows[3]["peak_GB"] == rows[4]["peak_GB"] == 0.5
 
 
+def test_ab_builds_times_both_builds_spaced_then_back_to_back(reference, functional, monkeypatch, capsys):
+    """ab_builds.shape_rows on the CPU (the references as both builds, timing faked): per op, A and B
+    spaced (A B B A) with their bits compared, then, after every spaced timing of the shape, each
+    op's windows A B B A; the table prints both."""
+    ab = kernel_package.load_file("flash_moe_ab_builds", MEMBER / "benchmarks" / "ab_builds.py")
+    events = []
+
+    def spaced(fn, reps, **kwargs):
+        fn(0)
+        events.append("spaced")
+        return 1.0
+
+    class Monitor:
+        def sustained(self, fn, flops, secs=1.5):
+            fn(0)
+            events.append("window")
+            return {"ms": 2.0, "tflops": flops / 2e9}
+
+    monkeypatch.setattr(ab.compare, "median_ms", spaced)
+    on_gpu = ab.compare.backward_inputs
+    monkeypatch.setattr(ab.compare, "backward_inputs", lambda shape: on_gpu(shape, device="cpu"))
+    build = types.SimpleNamespace(moe_align=reference.moe_align, preact_numel=lambda L, I: 2 * L * I,
+                                  functional=functional, fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad,
+                                  fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad)
+    args = types.SimpleNamespace(iters=2, bpc=None, ops=["dgrad", "wgrad", "backward"])
+    rows = ab.shape_rows({"A": build, "B": build}, (48, 64, 64, 8, 2), args, Monitor())
+    assert [r["op"] for r in rows] == ["dgrad", "wgrad", "backward"] and all(r["bits_equal"] for r in rows)
+    assert events == ["spaced"] * 12 + ["window"] * 12
+    assert [len(r["sustained"]["A"]) for r in rows] == [2, 2, 2]
+    assert rows[2]["sustained"]["B"][0]["tflops"] == 2 * rows[0]["sustained"]["B"][0]["tflops"]  # 12 vs 6 FLOPs
+    ab.print_table(rows)
+    assert capsys.readouterr().out.strip().splitlines()[-1].split()[-5:] == ["2.000", "2.000", "+0.0%", "nan", "nan"]
+
+
 def test_ab_builds_refuses_bad_arguments(compare, capsys, tmp_path):
     """benchmarks/ab_builds.py (two builds against each other) checks its arguments before it loads
     either build."""
@@ -306,4 +340,5 @@ def test_ab_builds_refuses_bad_arguments(compare, capsys, tmp_path):
             ab.parse_args(argv)
         assert rule in capsys.readouterr().err, argv
     args = ab.parse_args(b + ["--a", str(tmp_path), "--shapes", "1,3", "--ops", "wgrad"])
-    assert (args.shapes, args.ops, args.bpc) == ([1, 3], ["wgrad"], None)
+    assert (args.shapes, args.ops, args.bpc, args.sustained) == ([1, 3], ["wgrad"], None, True)
+    assert not ab.parse_args(b + ["--no-sustained"]).sustained
