@@ -26,6 +26,28 @@ def sonicmoe_peer():
     return kernel_package.load_file("flash_moe_sonicmoe_peer", MEMBER / "benchmarks" / "sonicmoe_peer.py")
 
 
+class FakeTiming:
+    """compare.median_ms and a ClockMonitor, faked: each spaced timing or back-to-back window runs its
+    callable once and is logged in `events`; a window takes 2 ms at the SM clock nvidia-smi did not
+    report, a spaced timing 1 ms at 1980 MHz."""
+
+    def __init__(self):
+        self.events = []
+
+    def median_ms(self, fn, reps, **kwargs):
+        fn(0)
+        self.events.append("spaced")
+        return 1.0
+
+    def spaced(self, fn, reps):
+        return self.median_ms(fn, reps), {"sm_mhz": 1980}
+
+    def sustained(self, fn, flops, secs=1.5):
+        fn(0)
+        self.events.append("window")
+        return {"ms": 2.0, "tflops": flops / 2e9}
+
+
 def _problem(T=64, K=64, I=32, E=8, top_k=3):
     g = torch.Generator().manual_seed(T * 7 + E)
     x = torch.randn(T, K, generator=g).bfloat16()
@@ -249,23 +271,9 @@ def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(comp
     faked (each timing runs its callable once): it records its five rows with their fields, and
     every spaced timing of the shape comes before its first back-to-back window, which leaves the
     GPU at its power limit for a while after."""
-    events = []
-
-    def spaced(fn, reps, **kwargs):
-        fn(0)
-        events.append("spaced")
-        return 1.0
-
-    class Monitor:
-        def spaced(self, fn, reps):
-            return spaced(fn, reps), {"sm_mhz": 1980}
-
-        def sustained(self, fn, flops, secs=1.5):
-            fn(0)
-            events.append("window")
-            return {"ms": 2.0, "tflops": 1.0}
-
-    monkeypatch.setattr(compare, "median_ms", spaced)
+    timing = FakeTiming()
+    events = timing.events
+    monkeypatch.setattr(compare, "median_ms", timing.median_ms)
     monkeypatch.setattr(compare, "peak_gb", lambda fn: fn(0) or 0.5)
     on_gpu = compare.backward_inputs
     monkeypatch.setattr(compare, "backward_inputs", lambda shape: on_gpu(shape, device="cpu"))
@@ -275,7 +283,7 @@ def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(comp
         preferred_bpc=lambda *shape, backward: 2)
     args = types.SimpleNamespace(iters=2, profile=False, mxfp8=False)
     rows = []
-    compare.backward_rows(kernel, reference, compare.load_prime_rl_peer(), args, (48, 64, 64, 8, 2), rows, Monitor())
+    compare.backward_rows(kernel, reference, compare.load_prime_rl_peer(), args, (48, 64, 64, 8, 2), rows, timing)
 
     assert events.count("window") == 8  # dgrad, wgrad, the backward 1 2 2 1, prime-rl's, forward+backward
     assert "spaced" not in events[events.index("window"):]
@@ -296,29 +304,17 @@ def test_ab_builds_times_both_builds_spaced_then_back_to_back(reference, functio
     spaced (A B B A) with their bits compared, then, after every spaced timing of the shape, each
     op's windows A B B A; the table prints both."""
     ab = kernel_package.load_file("flash_moe_ab_builds", MEMBER / "benchmarks" / "ab_builds.py")
-    events = []
-
-    def spaced(fn, reps, **kwargs):
-        fn(0)
-        events.append("spaced")
-        return 1.0
-
-    class Monitor:
-        def sustained(self, fn, flops, secs=1.5):
-            fn(0)
-            events.append("window")
-            return {"ms": 2.0, "tflops": flops / 2e9}
-
-    monkeypatch.setattr(ab.compare, "median_ms", spaced)
+    timing = FakeTiming()
+    monkeypatch.setattr(ab.compare, "median_ms", timing.median_ms)
     on_gpu = ab.compare.backward_inputs
     monkeypatch.setattr(ab.compare, "backward_inputs", lambda shape: on_gpu(shape, device="cpu"))
     build = types.SimpleNamespace(moe_align=reference.moe_align, preact_numel=lambda L, I: 2 * L * I,
                                   functional=functional, fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad,
                                   fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad)
     args = types.SimpleNamespace(iters=2, bpc=None, ops=["dgrad", "wgrad", "backward"])
-    rows = ab.shape_rows({"A": build, "B": build}, (48, 64, 64, 8, 2), args, Monitor())
+    rows = ab.shape_rows({"A": build, "B": build}, (48, 64, 64, 8, 2), args, timing)
     assert [r["op"] for r in rows] == ["dgrad", "wgrad", "backward"] and all(r["bits_equal"] for r in rows)
-    assert events == ["spaced"] * 12 + ["window"] * 12
+    assert timing.events == ["spaced"] * 12 + ["window"] * 12
     assert [len(r["sustained"]["A"]) for r in rows] == [2, 2, 2]
     assert rows[2]["sustained"]["B"][0]["tflops"] == 2 * rows[0]["sustained"]["B"][0]["tflops"]  # 12 vs 6 FLOPs
     ab.print_table(rows)
