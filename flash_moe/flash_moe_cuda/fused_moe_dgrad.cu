@@ -9,8 +9,9 @@
 //   reduce      grad_x[t] = sum_{k ascending} dx[pos(t*top_k + k)]  in fp32            (topk_reduce.cu)
 //
 // Both GEMMs are the forward's kernel (moe_gemm.cuh) with the weights read M-major, one CTA per
-// SM; the gate/up dgrad also as CTA pairs (bpc = 2: the forward's units, each CTA multicasting
-// half of a stage's weight boxes to both). The down dgrad is never paired: its epilogue writes
+// SM, or as CTA pairs (bpc = 2), each CTA multicasting half of a stage's weight boxes to both.
+// The gate/up dgrad's pairs split two m-blocks by live rows, as the bf16 forward's; the down
+// dgrad's take a whole m-block each (pair_units without block_live), because its epilogue writes
 // every m-block with a live row whole (padding rows as zeros), which the wgrads read. No float
 // atomics: bit-identical results run to run, whatever bpc.
 #include <cuda.h>
@@ -110,8 +111,15 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   p1.gather.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
   p1.down.topk_weights = a.topk_weights;
   p1.dgrad.score_part = ws.score_part;
-  err = host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down, p1, false,
-                                false, stream);
+  if (a.bpc == 2) {  // a block per CTA; the gate/up dgrad's units overwrite these after this GEMM
+    p1.pairs = {ws.units, ws.num_units};
+    err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, nullptr, ws.units, ws.num_units, stream);
+    if (err != cudaSuccess) return err;
+  }
+  err = a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages, true>, smem,
+                                             down, p1, false, true, stream)
+                   : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down,
+                                             p1, false, false, stream);
   if (err != cudaSuccess) return err;
   const int grid = heuristics::capped_grid(n_slots > a.L ? n_slots : a.L, kPositionThreads, kPositionCtasPerSm);
   // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never

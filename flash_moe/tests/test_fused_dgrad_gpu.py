@@ -96,9 +96,11 @@ CASES = [
 ]
 
 
-# dgrad_bpc 2: the gate/up dgrad as CTA pairs. The cases give it pairs of blocks split by live
-# rows (8192 x 4 slots over 8 experts, 700 x 3 over 5), lone blocks (500 x 4 over 16), and odd
-# n-block counts, where a lone block leaves one CTA of its pair idle (K = 136: num_n 1).
+# dgrad_bpc 2: both GEMMs as CTA pairs, the gate/up dgrad's splitting two blocks by live rows, the
+# down dgrad's a whole block per CTA. The cases give them pairs of blocks (8192 x 4 slots over 8
+# experts, 700 x 3 over 5), lone blocks (500 x 4 over 16, 300 x 2 over 8), and odd n-block
+# counts, where a lone block leaves one CTA of its pair idle (gate/up: K = 136, num_n 1; down:
+# I = 128, 192, 256, 768, num_n 1 or 3).
 @pytest.mark.parametrize("dgrad_bpc", [1, 2])
 @pytest.mark.parametrize("M,K,I,E,top_k,drop,bpc", CASES)
 def test_dgrad_outputs_vs_fp64(kernel, M, K, I, E, top_k, drop, bpc, dgrad_bpc):

@@ -116,7 +116,7 @@ def test_bit_identical_repeats(kernel):
 
 
 def test_fused_backward_bits_do_not_depend_on_bpc(kernel):
-    """`fused_backward(bpc=2)` (the gate/up dgrad and the wgrads as CTA pairs) returns bpc 1's
+    """`fused_backward(bpc=2)` (every dgrad and wgrad GEMM as CTA pairs) returns bpc 1's
     bits, with fp32 master weights, -1 ids and experts of one to several m-blocks."""
     F_ = kernel.functional
     M, K, I, E, top_k = 1500, 1024, 512, 16, 4

@@ -263,8 +263,9 @@ def fused_moe_bf16_dgrad(
     dab and sh are the wgrads' operands: grad_w1|w3[e] = dab_e^T x_e, grad_w2[e] = g_e^T sh_e.
     w1, w3: (E, I, K) bf16 gate and up projections (the forward's w = cat([w1, w3], 1), kept
     apart here so the backward never copies them); the rest as `fused_moe_bf16` (grad_out like
-    x); I % 64 == 0. bpc: 1, or 2 to run the gate/up dgrad GEMM as CTA pairs (as
-    `fused_moe_bf16(bpc=2)` runs its GEMMs); None (the default) takes `preferred_bpc(...,
+    x); I % 64 == 0. bpc: 1, or 2 to run both GEMMs as CTA pairs sharing each weight load (the
+    down dgrad a whole m-block per CTA, the gate/up dgrad two m-blocks split by live rows, as
+    `fused_moe_bf16(bpc=2)` splits them); None (the default) takes `preferred_bpc(...,
     backward=True)` of the call's shape; the output bits do not depend on it. Deterministic (no
     float atomics), no host synchronisation.
     """

@@ -146,7 +146,7 @@ def fused_backward(grad_out, x, w1, w2, w3, topk_weights, routing, preact, needs
         preact: the bf16 tensor of `preact_numel(len(sorted_token_ids), I)` elements that
             `fused_moe_bf16(..., preact=)` filled in the forward on the same routing.
         needs_input_grad: which of (x, w1, w2, w3, topk_weights) to return (None for the others).
-        bpc: 1, or 2 to run the gate/up dgrad and the wgrads as CTA pairs; None (the default,
+        bpc: 1, or 2 to run the dgrad and wgrad GEMMs as CTA pairs; None (the default,
             what `moe` runs) takes `preferred_bpc(..., backward=True)` of the shape. Same bits.
 
     Returns the gradients of (x, w1, w2, w3, topk_weights), each in its input's dtype.
