@@ -89,6 +89,9 @@ struct FusedMoeBf16Args {
   void* preact = nullptr;
   // The up rows as a tensor of their own, (E, I, K) bf16 (w is then w1), or null (w holds both).
   const void* w3 = nullptr;
+  // Run the gate/up GEMM alone: preact (required) is filled, out is not written. The backward of
+  // an MXFP8 forward reads the bf16 pre-activations and needs nothing else of the bf16 forward.
+  bool preact_only = false;
 };
 
 size_t fused_moe_bf16_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k);

@@ -10,6 +10,8 @@
 //   GEMM2 down     Y[p] = topk_weight[slot(p)] * (h[p] @ W2[e]^T)                 bf16 Y
 //   reduce         out[t] (+)= sum_{k ascending} Y[pos(t*top_k + k)]   in fp32    (topk_reduce.cu)
 //
+// fused_moe_bf16 with preact_only stops after GEMM1 (it fills preact; out is not written).
+//
 // The GEMMs' tensor maps and launches are in launch.cuh, the workspace's regions in
 // workspace.cuh.
 //
@@ -40,15 +42,16 @@ using host::kStoreBoxRows;
 using host::launch_persistent;
 using host::make_tmap;
 
-// Both bf16 GEMMs at one pipeline depth, with or without CTA pairs.
+// Both bf16 GEMMs at one pipeline depth, with or without CTA pairs; the gate/up GEMM alone
+// without `with_down`.
 template <int kStages, bool kPaired>
 cudaError_t launch_bf16_gemms(const gemm::Bf16Maps& gate_up, const gemm::Bf16Maps& down, const GemmParams& p1,
-                              const GemmParams& p2, cudaStream_t stream) {
+                              const GemmParams& p2, bool with_down, cudaStream_t stream) {
   constexpr auto kW = gemm::Weights::kBf16;
   const int smem = gemm::StagePlan<kW, kStages>::kLaunchBytes;
   cudaError_t err = launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUp, kStages, kPaired>, smem, gate_up, p1,
                                       false, kPaired, stream);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || !with_down) return err;
   return launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDown, kStages, kPaired>, smem, down, p2, true, kPaired,
                            stream);
 }
@@ -127,7 +130,8 @@ size_t fused_moe_mxfp8_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t 
 }
 
 cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
-  if ((a.stages != 3 && a.stages != 4) || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L))
+  if ((a.stages != 3 && a.stages != 4) || (a.bpc != 1 && a.bpc != 2) || !is_routing_length(a.L) ||
+      (a.preact_only && !a.preact))
     return cudaErrorInvalidValue;
   if (a.M == 0) return cudaSuccess;
   const Workspace ws(a.workspace, a.M, a.K, a.I, a.L, a.top_k, 0);
@@ -159,14 +163,14 @@ cudaError_t fused_moe_bf16(const FusedMoeBf16Args& a, cudaStream_t stream) {
   // pipeline depth x CTA pairs: the four kernel pairs
   const auto gemms = [&](auto paired) {
     constexpr bool kPaired = decltype(paired)::value;
-    return a.stages == 4 ? launch_bf16_gemms<4, kPaired>(gate_up, down, p1, p2, stream)
-                         : launch_bf16_gemms<3, kPaired>(gate_up, down, p1, p2, stream);
+    return a.stages == 4 ? launch_bf16_gemms<4, kPaired>(gate_up, down, p1, p2, !a.preact_only, stream)
+                         : launch_bf16_gemms<3, kPaired>(gate_up, down, p1, p2, !a.preact_only, stream);
   };
   // CTA pairs split their experts' rows evenly and carry short tails (pair_units_kernel reads
   // inverse_kernel's live rows per block for that).
   if (a.bpc == 2) err = plan_pairs(a.expert_ids, a.ntpp, ws, a.E, a.L, p1, p2, stream, true);
   if (err == cudaSuccess) err = a.bpc == 2 ? gemms(std::true_type{}) : gemms(std::false_type{});
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || a.preact_only) return err;
   return topk_sum(ws.Y, ws.inv, a.out, a.M, a.K, a.top_k, a.split, stream);
 }
 

@@ -157,3 +157,43 @@ def test_preact_layout_is_a_permutation(reference):
     f, p = 16 + 5 // 4, 8 + 2 * (5 % 4)
     want = [a[p, f], a[p + 1, f], a[p, f + 8], a[p + 1, f + 8], u[p, f], u[p + 1, f], u[p, f + 8], u[p + 1, f + 8]]
     assert torch.equal(packed[8 * c:8 * c + 8], torch.stack(want))
+
+
+def test_mxfp8_backward_recomputes_the_preactivations_alone(functional, reference, monkeypatch):
+    """`moe(mxfp8=True)`'s backward gets its bf16 pre-activations from fused_moe_bf16 with
+    preact_only=True (the gate/up GEMM alone), once; its gradients are the bf16 moe's
+    (straight-through). The MXFP8 op is stood in for by the bf16 reference."""
+    calls = []
+
+    def bf16(*a, **k):
+        calls.append(k.get("preact_only", False))
+        return reference.fused_moe_bf16(*a, **k)
+
+    monkeypatch.setattr(functional, "fused_moe_bf16", bf16)
+    monkeypatch.setattr(functional, "quantize_mxfp8", lambda t, blocked=False: (t, None))
+    monkeypatch.setattr(functional, "fused_moe_mxfp8",
+                        lambda x, xs, w, ws, w2, w2s, *rest: reference.fused_moe_bf16(x, w, w2, *rest))
+    x, w1, w2, w3, ids, scores, grad_out = _problem(48, 64, 64, 8, 2, 0.2, seed=7)
+    grads = {}
+    for mxfp8 in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2, w3, scores)]
+        functional.moe(leaves[0], leaves[1], leaves[2], leaves[3], ids, leaves[4], mxfp8=mxfp8).backward(grad_out)
+        grads[mxfp8] = [t.grad for t in leaves]
+        if mxfp8:
+            assert calls == [True]  # the forward ran the MXFP8 op; the backward one preact_only call
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+def test_reference_preact_only_fills_preact_alone(reference):
+    """The reference of fused_moe_bf16(preact_only=True), as the MXFP8 forward's backward calls it:
+    the whole op's preact, out untouched; refused without preact."""
+    x, w1, w2, w3, ids, scores, _ = _problem(48, 64, 64, 8, 2, 0.2, seed=5)
+    routing = reference.moe_align(ids.to(torch.int32), 8)
+    w, w2 = torch.cat([w1, w3], 1).bfloat16(), w2.bfloat16()
+    full, alone = (torch.full((2 * routing[0].numel() * 64,), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    reference.fused_moe_bf16(x, w, w2, *routing, scores, torch.empty_like(x), 2, preact=full)
+    out = torch.full_like(x, float("nan"))
+    reference.fused_moe_bf16(x, w, w2, *routing, scores, out, 2, preact=alone, preact_only=True)
+    assert torch.equal(alone, full) and out.isnan().all()
+    with pytest.raises(RuntimeError, match="preact_only=True needs preact"):
+        reference.fused_moe_bf16(x, w, w2, *routing, scores, out, 2, preact_only=True)

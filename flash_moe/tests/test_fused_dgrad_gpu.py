@@ -197,6 +197,21 @@ def test_dgrad_bad_inputs_name_the_argument(kernel):
                               preact=torch.empty(want + 8, dtype=torch.bfloat16, device="cuda"))
 
 
+@pytest.mark.parametrize("bpc,split_w3", [(1, False), (2, True)])
+def test_preact_only_fills_the_same_bits_and_leaves_out(kernel, bpc, split_w3):
+    """fused_moe_bf16(preact_only=True) runs the gate/up GEMM alone: preact gets the whole op's
+    bits (NaN where neither writes: the fill), out keeps its poison; without preact it is refused."""
+    x, w, w2, ids, wts, g, routing, preact = _setup(kernel, 700, 512, 256, 8, 3, seed=11, drop=0.1, bpc=bpc)
+    gate, up = _halves(w) if split_w3 else (w, None)
+    alone = torch.full_like(preact, float("nan"))
+    out = torch.full_like(x, float("nan"))
+    kernel.fused_moe_bf16(x, gate, w2, *routing, wts, out, 3, bpc=bpc, preact=alone, preact_only=True, w3=up)
+    torch.testing.assert_close(alone, preact, rtol=0, atol=0, equal_nan=True)
+    assert out.isnan().all()
+    with pytest.raises(RuntimeError, match="preact_only=True needs preact"):
+        kernel.fused_moe_bf16(x, w, w2, *routing, wts, out, 3, preact_only=True)
+
+
 def test_saved_preact_is_the_reference_layout(kernel, reference):
     """The kernel's preact, unpacked with the reference's layout, is x W_gate^T | x W_up^T by
     sorted position (fp32-accumulated, bf16-rounded: within a bf16 rounding of the reference)."""

@@ -260,8 +260,9 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                     const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                     int64_t cpc, bool split, const std::optional<at::Tensor>& preact,
-                    const std::optional<at::Tensor>& w3) {
+                    const std::optional<at::Tensor>& w3, bool preact_only) {
   const char* op = "fused_moe_bf16";
+  PK_CHECK(preact || !preact_only, op, ": preact_only=True needs preact (the pre-activations are all it computes)");
   PK_CHECK(stages >= flash_moe::kStagesMin && stages <= flash_moe::kStagesMax, op, ": stages must be in [",
            flash_moe::kStagesMin, ", ", flash_moe::kStagesMax, "], got ", stages);
   const MoeDims d = check_moe_inputs(op, x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -285,6 +286,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   set_routing(a, d, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, top_k, ws);
   set_forward(a, out, stages, bpc, split);
   if (preact) a.preact = preact->data_ptr();
+  a.preact_only = preact_only;
   const cudaError_t err = flash_moe::fused_moe_bf16(a, at::cuda::getCurrentCUDAStream());
   PK_CHECK(err == cudaSuccess, op, ": CUDA error ", cudaGetErrorString(err));
 }
@@ -509,7 +511,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "fused_moe_bf16(Tensor x, Tensor w, Tensor w2, Tensor sorted_token_ids, Tensor expert_ids, "
       "Tensor num_tokens_post_padded, Tensor topk_weights, Tensor(a!) out, int top_k, int block_m, int block_n, "
-      "int warp_n, int stages, int bpc, int cpc, bool split, Tensor(b!)? preact=None, Tensor? w3=None) -> ()");
+      "int warp_n, int stages, int bpc, int cpc, bool split, Tensor(b!)? preact=None, Tensor? w3=None, "
+      "bool preact_only=False) -> ()");
   ops.impl("fused_moe_bf16", torch::kCUDA, &fused_moe_bf16);
   ops.impl("fused_moe_bf16", torch::kCPU, &fused_moe_bf16);
   ops.def(

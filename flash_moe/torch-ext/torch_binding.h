@@ -13,7 +13,7 @@ void fused_moe_bf16(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
                     const at::Tensor& num_tokens_post_padded, const at::Tensor& topk_weights, at::Tensor& out,
                     int64_t top_k, int64_t block_m, int64_t block_n, int64_t warp_n, int64_t stages, int64_t bpc,
                     int64_t cpc, bool split, const std::optional<at::Tensor>& preact,
-                    const std::optional<at::Tensor>& w3);
+                    const std::optional<at::Tensor>& w3, bool preact_only);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bf16_dgrad(
     const at::Tensor& grad_out, const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& w2, const at::Tensor& preact,

@@ -175,6 +175,7 @@ def fused_moe_bf16(
     split: bool = True,
     preact: torch.Tensor | None = None,
     w3: torch.Tensor | None = None,
+    preact_only: bool = False,
 ) -> torch.Tensor:
     """Fused MoE forward (routed experts), bf16, Hopper.
 
@@ -214,6 +215,9 @@ def fused_moe_bf16(
         w3: (E, I, K) bf16 up rows, w1's shape: the kernel reads w1 and w3 where they are, so a
             caller holding them apart (as `moe` does) copies no weights. Same output bits as
             w = cat([w1, w3], dim=1). None: `w` holds both.
+        preact_only: run the gate/up GEMM alone: `preact` (required) gets the same bits as
+            the whole op writes there, `out` is not written (the MXFP8 forward's backward
+            recomputes only these).
 
     Accumulation is fp32; the SwiGLU output h and each slot's weighted row are rounded to
     bf16; the top-k sum is done in fp32 in ascending k order (deterministic: bit-identical
@@ -224,6 +228,7 @@ def fused_moe_bf16(
     ops.fused_moe_bf16(
         x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
         int(top_k), int(block_m), int(block_n), int(warp_n), int(stages), int(bpc), int(cpc), bool(split), preact, w3,
+        bool(preact_only),
     )
     return out
 
@@ -416,7 +421,8 @@ def _moe_align_fake(topk_ids, num_experts, block_m, bpc):
 
 @torch.library.register_fake(add_op_namespace_prefix("fused_moe_bf16"))
 def _fused_moe_bf16_fake(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out,
-                         top_k, block_m, block_n, warp_n, stages, bpc, cpc, split, preact=None, w3=None):
+                         top_k, block_m, block_n, warp_n, stages, bpc, cpc, split, preact=None, w3=None,
+                         preact_only=False):
     return None
 
 

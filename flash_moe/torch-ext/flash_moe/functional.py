@@ -105,9 +105,10 @@ def fused_backward_serves(hidden_dim: int) -> bool:
     return hidden_dim % 64 == 0
 
 
-def _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact=None):
+def _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact=None, preact_only=False):
     """The fused forward on moe_align's `routing`; with `preact`, also the pre-activations
-    (bf16 only: the MXFP8 op does not save them)."""
+    (bf16 only: the MXFP8 op does not save them); with preact_only, those alone (the gate/up
+    GEMM) and None."""
     sorted_ids, expert_ids, ntpp, top_k = routing
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     weights = topk_weights.to(torch.float32).contiguous()
@@ -119,8 +120,8 @@ def _forward(x, w1, w2, w3, topk_weights, routing, mxfp8, preact=None):
     else:
         bf = torch.bfloat16
         fused_moe_bf16(x.to(bf).contiguous(), w1.to(bf).contiguous(), w2.to(bf).contiguous(), sorted_ids, expert_ids,
-                       ntpp, weights, out, top_k, preact=preact, w3=w3.to(bf).contiguous())
-    return out.to(x.dtype)
+                       ntpp, weights, out, top_k, preact=preact, w3=w3.to(bf).contiguous(), preact_only=preact_only)
+    return None if preact_only else out.to(x.dtype)
 
 
 def _group_ends(expert_ids: torch.Tensor, num_experts: int, sorted_len: int) -> torch.Tensor:
@@ -192,10 +193,10 @@ class _MoE(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[i] for i in (0, 1, 2, 3, 5))
         routing = (sorted_ids, expert_ids, ntpp, ctx.top_k)  # the forward's alignment, for both backwards
         if ctx.fused:
-            if preact is None:  # the MXFP8 forward: the bf16 forward's pre-activations
+            if preact is None:  # the MXFP8 forward: the bf16 forward's pre-activations (its gate/up GEMM)
                 preact = torch.empty(preact_numel(sorted_ids.numel(), w1.shape[1]), dtype=torch.bfloat16,
                                      device=x.device)
-                _forward(x, w1, w2, w3, topk_weights, routing, False, preact)
+                _forward(x, w1, w2, w3, topk_weights, routing, False, preact, preact_only=True)
             grads = fused_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, preact, needs)
         else:
             grads = composed_backward(grad_out.contiguous(), x, w1, w2, w3, topk_weights, routing, needs)

@@ -145,21 +145,25 @@ def _fused_moe_blocks(xf, expert_weights, num_experts, sorted_token_ids, expert_
 
 def fused_moe_bf16(x, w, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k,
                    block_m: int = BLOCK_M, block_n: int = 128, warp_n: int = 128, stages: int = 4, bpc=None,
-                   cpc: int = 1, split: bool = True, preact=None, w3=None):
+                   cpc: int = 1, split: bool = True, preact=None, w3=None, preact_only: bool = False):
     """Reference of `flash_moe.fused_moe_bf16` (fp32 accumulation, bf16 h, bf16 per-slot rows),
     with the op's signature.
 
     Writes `out` in place and returns it: split=True overwrites out, split=False adds into it.
     preact: filled with `pack_preact` of the bf16 pre-activations by sorted position (zero at
-    padding positions). w3: the up rows, `w` then being the gate rows w1. block_n, warp_n,
-    stages, bpc, cpc are the kernel's tuning arguments; they do not change the result and are
-    ignored here.
+    padding positions). w3: the up rows, `w` then being the gate rows w1. preact_only: fill
+    preact alone, leaving out as it is. block_n, warp_n, stages, bpc, cpc are the kernel's
+    tuning arguments; they do not change the result and are ignored here.
     """
+    if preact_only and preact is None:
+        raise RuntimeError("fused_moe_bf16: preact_only=True needs preact (the pre-activations are all it computes)")
     if w3 is not None:
         w = torch.cat([w, w3], dim=1)
     if preact is not None:
         a, u = _preactivations(x, w, sorted_token_ids, num_tokens_post_padded, expert_ids, top_k, block_m)
         preact.copy_(pack_preact(a.bfloat16(), u.bfloat16()))
+        if preact_only:
+            return out
     return _fused_moe_blocks(x.float(), lambda e: (w[e].float(), w2[e].float()), w.shape[0], sorted_token_ids,
                              expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m, split)
 
