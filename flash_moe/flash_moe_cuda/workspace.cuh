@@ -148,26 +148,31 @@ struct DgradWorkspace : RoutingRegions {
   }
 };
 
-// fused_moe_bf16_wgrad's (int32): per expert its span (two ints, expert_spans_kernel's maxima),
-// zeroed per call; then the token of each sorted position.
+// fused_moe_bf16_wgrad's (int32): the two GEMMs' tile counters and per expert its span (two ints,
+// expert_spans_kernel's maxima), zeroed per call; then the token of each sorted position.
 struct WgradWorkspace {
-  enum Region { kSpan, kToken, kRegions };
+  enum Region { kCounters, kToken, kRegions };
+  static int64_t counter_ints(int64_t E) { return kTileCounterInts + 2 * E; }
   static RegionTable<kRegions> table(int64_t E, int64_t L) {
-    return RegionTable<kRegions>({(size_t)E * 2 * 4, (size_t)L * 4});
+    return RegionTable<kRegions>({(size_t)counter_ints(E) * 4, (size_t)L * 4});
   }
   static size_t bytes(int64_t E, int64_t L) { return table(E, L).offset[kRegions]; }
 
-  int32_t* span;   // (E, 2), integer maxima: zero before expert_spans_kernel
-  int32_t* token;  // (L,)
-  int64_t E;
+  int32_t* tile_counters;  // [0]: the down wgrad's, [1]: the gate/up wgrad's
+  int32_t* span;           // (E, 2)
+  int32_t* token;          // (L,)
+  int64_t n_counters;
 
-  WgradWorkspace(void* base, int64_t E_, int64_t L) : E(E_) {
+  WgradWorkspace(void* base, int64_t E, int64_t L) : n_counters(counter_ints(E)) {
     const RegionTable<kRegions> t = table(E, L);
     uint8_t* const b = static_cast<uint8_t*>(base);
-    span = reinterpret_cast<int32_t*>(b + t.offset[kSpan]);
+    tile_counters = reinterpret_cast<int32_t*>(b + t.offset[kCounters]);
+    span = tile_counters + kTileCounterInts;
     token = reinterpret_cast<int32_t*>(b + t.offset[kToken]);
   }
-  cudaError_t clear(cudaStream_t stream) const { return cudaMemsetAsync(span, 0, (size_t)E * 2 * 4, stream); }
+  cudaError_t clear(cudaStream_t stream) const {
+    return cudaMemsetAsync(tile_counters, 0, (size_t)n_counters * 4, stream);
+  }
 };
 
 }  // namespace flash_moe
