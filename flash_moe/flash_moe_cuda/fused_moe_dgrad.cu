@@ -71,6 +71,24 @@ GemmParams base_params(const FusedMoeBf16DgradArgs& a, const DgradWorkspace& ws)
   return p;
 }
 
+// One of the two GEMMs, unpaired at bpc 1; at bpc 2 as CTA pairs on units pair_units makes now
+// (block_live: two m-blocks split by live rows, as the bf16 forward's; null: a whole m-block per
+// CTA). Both GEMMs' units share ws.units, so each GEMM plans its own just before it runs.
+template <Kind kKind>
+cudaError_t launch_dgrad_gemm(const FusedMoeBf16DgradArgs& a, const DgradWorkspace& ws, const gemm::Bf16Maps& maps,
+                              GemmParams& p, const int32_t* block_live, cudaStream_t stream) {
+  constexpr auto kW = gemm::Weights::kBf16;
+  const int smem = gemm::StagePlan<kW, kDgradStages>::kLaunchBytes;
+  if (a.bpc != 2)
+    return host::launch_persistent(gemm::moe_gemm_kernel<kW, kKind, kDgradStages>, smem, maps, p, false, false,
+                                   stream);
+  p.pairs = {ws.units, ws.num_units};
+  const cudaError_t err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, block_live, ws.units, ws.num_units, stream);
+  if (err != cudaSuccess) return err;
+  return host::launch_persistent(gemm::moe_gemm_kernel<kW, kKind, kDgradStages, true>, smem, maps, p, false, true,
+                                 stream);
+}
+
 }  // namespace
 
 size_t fused_moe_bf16_dgrad_workspace_bytes(int64_t M, int64_t K, int64_t I, int64_t L, int top_k) {
@@ -90,8 +108,6 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   if (err != cudaSuccess) return err;
 
   using host::make_tmap;
-  constexpr auto kW = gemm::Weights::kBf16;
-  const int smem = gemm::StagePlan<kW, kDgradStages>::kLaunchBytes;
   const uint32_t kRowsBox = gemm::kStoreRows, kMnBox = 64;
   // GEMM1: grad_out rows gathered (no token maps), w2 M-major; dA|dB and s*h out.
   gemm::Bf16Maps down{};
@@ -111,16 +127,8 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   p1.gather.preact = const_cast<uint4*>(static_cast<const uint4*>(a.preact));
   p1.down.topk_weights = a.topk_weights;
   p1.dgrad.score_part = ws.score_part;
-  if (a.bpc == 2) {  // a block per CTA; the gate/up dgrad's units overwrite these after this GEMM
-    p1.pairs = {ws.units, ws.num_units};
-    err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, nullptr, ws.units, ws.num_units, stream);
-    if (err != cudaSuccess) return err;
-  }
-  err = a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages, true>, smem,
-                                             down, p1, false, true, stream)
-                   : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kDownDgrad, kDgradStages>, smem, down,
-                                             p1, false, false, stream);
-  if (err != cudaSuccess) return err;
+  // a whole m-block per CTA: the epilogue writes every m-block with a live row whole
+  if ((err = launch_dgrad_gemm<Kind::kDownDgrad>(a, ws, down, p1, nullptr, stream)) != cudaSuccess) return err;
   const int grid = heuristics::capped_grid(n_slots > a.L ? n_slots : a.L, kPositionThreads, kPositionCtasPerSm);
   // Parts are ordered by 64-feature group (4 warps each): those of groups past I are never
   // written, and the sum stops before them.
@@ -146,16 +154,8 @@ cudaError_t fused_moe_bf16_dgrad(const FusedMoeBf16DgradArgs& a, cudaStream_t st
   p2.tile_counter = ws.tile_counters + 1;
   p2.b_second = (int)a.I;  // reduction rows I.. are w3's
   p2.down = {nullptr, 0};
-  if (a.bpc == 2) {  // units as the bf16 forward's: each pair of blocks split by live rows (block_live)
-    p2.pairs = {ws.units, ws.num_units};
-    err = pair_units(a.expert_ids, a.ntpp, a.L, a.E, ws.block_live, ws.units, ws.num_units, stream);
-    if (err != cudaSuccess) return err;
-  }
-  err = a.bpc == 2 ? host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages, true>, smem,
-                                             gate_up, p2, false, true, stream)
-                   : host::launch_persistent(gemm::moe_gemm_kernel<kW, Kind::kGateUpDgrad, kDgradStages>, smem,
-                                             gate_up, p2, false, false, stream);
-  if (err != cudaSuccess) return err;
+  if ((err = launch_dgrad_gemm<Kind::kGateUpDgrad>(a, ws, gate_up, p2, ws.block_live, stream)) != cudaSuccess)
+    return err;
   return topk_sum(ws.dx, ws.inv, a.grad_x, a.M, a.K, a.top_k, true, stream);
 }
 
