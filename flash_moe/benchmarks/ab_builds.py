@@ -100,9 +100,7 @@ def shape_rows(builds, shape, args, monitor=None):
     for row, fn_for in zip(rows, callables):
         if monitor:  # after every spaced timing of the shape
             flops = (12 if row["op"] == "backward" else 6) * T * top_k * K * I
-            row["sustained"] = {"A": [], "B": []}
-            for k in ("A", "B", "B", "A"):
-                row["sustained"][k].append(monitor.sustained(fn_for(k), flops))
+            row["sustained"] = compare.sustained_by(monitor, fn_for, flops, keys=("A", "B"))
     return rows
 
 

@@ -139,9 +139,10 @@ class ClockMonitor:
         fraction over that timing (None when nvidia-smi is not sampling)."""
         t0 = time.time()
         ms = median_ms(fn, reps)
-        clock = {} if self.proc is not None else None
-        if clock is not None:
-            self.windows.append((t0, time.time(), clock))
+        if self.proc is None:
+            return ms, None
+        clock = {}
+        self.windows.append((t0, time.time(), clock))
         return ms, clock
 
     def stop(self):
@@ -286,6 +287,16 @@ def op_alone_by(op_for, iters, keys=(1, 2)):
     for k in (*keys, *reversed(keys)):
         times[k].append(median_ms(op_for(k), iters))
     return {k: round(min(v), 4) for k, v in times.items()}
+
+
+def sustained_by(monitor, op_for, flops, keys=(1, 2)):
+    """{key: [window, window]}: monitor.sustained of each variant's op back to back, in order and
+    then in reverse (1 2 2 1), as op_alone_by times them spaced: each window starts in the power
+    state the last left."""
+    windows = {k: [] for k in keys}
+    for k in (*keys, *reversed(keys)):
+        windows[k].append(monitor.sustained(op_for(k), flops))
+    return windows
 
 
 def indices(text):
@@ -596,9 +607,7 @@ def backward_rows(kernel, ref, peer, args, shape, rows, monitor=None):
     if monitor:
         op_sus = {name: monitor.sustained(at(bpc), 6 * T * top_k * K * I)
                   for name, at in (("dgrad", dgrad_at), ("wgrad", wgrad_at))}
-        sus_by_bpc = {1: [], 2: []}
-        for b in (1, 2, 2, 1):
-            sus_by_bpc[b].append(monitor.sustained(backward_at(b), 12 * T * top_k * K * I))
+        sus_by_bpc = sustained_by(monitor, backward_at, 12 * T * top_k * K * I)
         sus = sus_by_bpc[bpc][0]
         prime_rl_sus = monitor.sustained(prime_rl, 12 * T * top_k * K * I)
         both_sus = monitor.sustained(ours_both, 18 * T * top_k * K * I)
