@@ -14,23 +14,13 @@ from kernels.cli import benchmark as runner
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO / "common"))
+sys.path.append(str(REPO / "flash_moe" / "tests"))
 import kernel_package  # noqa: E402
-
-
-def _unavailable(*args, **kwargs):
-    raise AssertionError("not a stand-in op")
+import reference_kernel  # noqa: E402 (flash_moe/tests/)
 
 
 def _flash_moe_stand_in():
-    ref = kernel_package.load_reference(REPO / "flash_moe")
-    ops = dict(moe_align=ref.moe_align, fused_moe_bf16=ref.fused_moe_bf16, fused_moe_mxfp8=ref.fused_moe_mxfp8,
-               quantize_mxfp8=ref.quantize_mxfp8, fused_moe_bf16_dgrad=ref.fused_moe_bf16_dgrad,
-               fused_moe_bf16_wgrad=ref.fused_moe_bf16_wgrad, preact_numel=lambda L, I: 2 * L * I)
-    functional = kernel_package.load_submodule("flash_moe_bench_functional", REPO / "flash_moe" / "torch-ext" /
-                                               "flash_moe", "functional", **ops)
-    return types.SimpleNamespace(__name__="flash_moe_standin", functional=functional,
-                                 preferred_bpc=lambda *shape, **kwargs: 1,
-                                 dequantize_mxfp8=lambda v, s: ref.dequantize_mxfp8(v, s, torch.bfloat16), **ops)
+    return types.SimpleNamespace(**vars(reference_kernel.load()))  # a copy: a test may replace its ops
 
 
 def _rmsnorm_stand_in():

@@ -10,8 +10,8 @@ import types
 
 import kernel_package
 import pytest
+import reference_kernel
 import torch
-from test_functional import functional  # noqa: F401 (a fixture: `functional`, the references as its ops)
 
 MEMBER = pathlib.Path(__file__).resolve().parents[1]
 
@@ -239,7 +239,7 @@ def test_profile_backward_refuses_bad_arguments(compare, capsys):
         assert rule in capsys.readouterr().err
 
 
-def test_backward_op_calls_each_op_with_its_arguments_in_order(compare, reference, functional):
+def test_backward_op_calls_each_op_with_its_arguments_in_order(compare, reference):
     """compare.backward_op (the backward rows' and ab_builds.py's op calls), the references standing
     in for the kernels: the dgrad then the wgrad it builds give the very gradients of the
     `fused_backward` it builds (w1 and w3 apart, as a swap would show), and it refuses an unknown op."""
@@ -253,8 +253,7 @@ def test_backward_op_calls_each_op_with_its_arguments_in_order(compare, referenc
     preact = torch.empty(2 * routing[0].numel() * I, dtype=torch.bfloat16)
     reference.fused_moe_bf16(x, torch.cat([w1, w3], 1), w2, *routing[:3], wt, torch.empty_like(x), top_k,
                              preact=preact)
-    kernel = types.SimpleNamespace(fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad,
-                                   fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad, functional=functional)
+    kernel = reference_kernel.load()
     inputs = (x, w1, w2, w3, wt)
     grads = compare.backward_op(kernel, "backward", 1, go, inputs, routing, preact)(0)
     gx, dab, sh, score = compare.backward_op(kernel, "dgrad", 1, go, inputs, routing, preact)(0)
@@ -265,7 +264,7 @@ def test_backward_op_calls_each_op_with_its_arguments_in_order(compare, referenc
         compare.backward_op(kernel, "fwd", 1, go, inputs, routing, preact)
 
 
-def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(compare, reference, functional,
+def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(compare, reference,
                                                                            monkeypatch):
     """compare.backward_rows on the CPU, the references standing in for the kernels and the timing
     faked (each timing runs its callable once): it records its five rows with their fields, and
@@ -277,10 +276,7 @@ def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(comp
     monkeypatch.setattr(compare, "peak_gb", lambda fn: fn(0) or 0.5)
     on_gpu = compare.backward_inputs
     monkeypatch.setattr(compare, "backward_inputs", lambda shape: on_gpu(shape, device="cpu"))
-    kernel = types.SimpleNamespace(
-        moe_align=reference.moe_align, preact_numel=lambda L, I: 2 * L * I, functional=functional, moe=functional.moe,
-        fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
-        preferred_bpc=lambda *shape, backward: 2)
+    kernel = types.SimpleNamespace(**vars(reference_kernel.load()) | {"preferred_bpc": lambda *shape, backward: 2})
     args = types.SimpleNamespace(iters=2, profile=False, mxfp8=False)
     rows = []
     compare.backward_rows(kernel, reference, compare.load_prime_rl_peer(), args, (48, 64, 64, 8, 2), rows, timing)
@@ -299,7 +295,7 @@ def test_backward_rows_time_every_spaced_row_before_any_back_to_back_window(comp
     assert rows[3]["peak_GB"] == rows[4]["peak_GB"] == 0.5
 
 
-def test_ab_builds_times_both_builds_spaced_then_back_to_back(reference, functional, monkeypatch, capsys):
+def test_ab_builds_times_both_builds_spaced_then_back_to_back(monkeypatch, capsys):
     """ab_builds.shape_rows on the CPU (the references as both builds, timing faked): per op, A and B
     spaced (A B B A) with their bits compared, then, after every spaced timing of the shape, each
     op's windows A B B A; the table prints both."""
@@ -308,9 +304,7 @@ def test_ab_builds_times_both_builds_spaced_then_back_to_back(reference, functio
     monkeypatch.setattr(ab.compare, "median_ms", timing.median_ms)
     on_gpu = ab.compare.backward_inputs
     monkeypatch.setattr(ab.compare, "backward_inputs", lambda shape: on_gpu(shape, device="cpu"))
-    build = types.SimpleNamespace(moe_align=reference.moe_align, preact_numel=lambda L, I: 2 * L * I,
-                                  functional=functional, fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad,
-                                  fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad)
+    build = reference_kernel.load()
     args = types.SimpleNamespace(iters=2, bpc=None, ops=["dgrad", "wgrad", "backward"])
     rows = ab.shape_rows({"A": build, "B": build}, (48, 64, 64, 8, 2), args, timing)
     assert [r["op"] for r in rows] == ["dgrad", "wgrad", "backward"] and all(r["bits_equal"] for r in rows)

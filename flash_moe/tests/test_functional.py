@@ -4,28 +4,15 @@ backward it picks, and its gradients), against fp64 autograd through the referen
 pre-activation layout. The GPU tests (test_moe_backward_gpu.py, test_fused_dgrad_gpu.py,
 test_fused_wgrad_gpu.py) run them with the kernels."""
 
-import pathlib
-
-import kernel_package
 import pytest
+import reference_kernel
 import torch
 import torch.nn.functional as F
 from error_measure import rel_err
 
-MEMBER_DIR = pathlib.Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="module")
-def functional(reference):
-    def unused(*args, **kwargs):
-        raise AssertionError("no MXFP8 op runs in these tests")
-
-    return kernel_package.load_submodule(
-        "flash_moe_functional_parent", MEMBER_DIR / "torch-ext" / "flash_moe", "functional",
-        moe_align=reference.moe_align, fused_moe_bf16=reference.fused_moe_bf16, fused_moe_mxfp8=unused,
-        quantize_mxfp8=unused,
-        fused_moe_bf16_dgrad=reference.fused_moe_bf16_dgrad, fused_moe_bf16_wgrad=reference.fused_moe_bf16_wgrad,
-        preact_numel=lambda L, I: 2 * L * I)
+def functional():
+    return reference_kernel.load().functional
 
 
 def _problem(M, K, I, E, top_k, drop, seed):
