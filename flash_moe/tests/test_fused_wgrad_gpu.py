@@ -69,6 +69,10 @@ CASES = [
     (300, 136, 128, 8, 2, 0.0, None),  # K % 128 == 8: the last 128-feature B tile (x, grad_out rows) has 8 live
     (257, 264, 64, 6, 2, 0.2, None),  # K = 264 (three B tiles, the last with 8 live) with I = 64 and -1 ids
     (100, 256, 128, 512, 8, 0.0, None),  # E = 512 (the most num_experts allows): about 100 experts empty
+    # experts averaging 4 k-blocks (256 rows) or more, as at the bench shapes 1-4, on odd dims:
+    (1200, 320, 192, 4, 2, 0.2, None),  # 600 rows an expert, 2I % 256 != 0, K % 128 != 0, -1 ids
+    (1100, 384, 128, 4, 1, 0.0, 2),  # 1100 rows on one expert, three experts empty
+    (1024, 264, 64, 2, 1, 0.0, None),  # 512 rows an expert, K = 264, I = 64
 ]
 
 
