@@ -52,12 +52,13 @@ __global__ void __launch_bounds__(kPositionThreads) expert_spans_kernel(const in
   }
 }
 
-// bpc = 2: CTA pairs, each taking two B tiles of one claim (wgrad::claim_tile<true>); with a
+// bpc = 2: CTA pairs, each taking two B tiles of one claim (wgrad::tile_at<true>); with a
 // single B tile (K <= 128) every pair's second CTA would idle, so those calls run unpaired.
 // The gate/up wgrad is a programmatic dependent launch after the down wgrad: the two touch
 // disjoint memory, and what both read was complete before the down wgrad started, so it waits
 // for the down wgrad only at its end (so that its completion implies the down wgrad's) and fills
-// the SMs the down wgrad's last tiles leave idle.
+// the SMs the down wgrad's last tiles leave idle (in the static order a CTA's share is fixed: one
+// that starts later ends later, by at most about a down-wgrad tile).
 template <wgrad::Kind kKind>
 cudaError_t launch_wgrad(const wgrad::Maps& tm, const wgrad::Params& p, int bpc, cudaStream_t stream) {
   constexpr int kSmem = wgrad::Plan<kWgradStages>::kLaunchBytes;
@@ -106,12 +107,13 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p.n_b = (int)a.K;
   p.b_tiles = (int)((a.K + wgrad::kTileN - 1) / wgrad::kTileN);
   p.span = ws.span;
+  const bool static_order = heuristics::wgrad_static_order(a.M * a.top_k, a.E);
 
   wgrad::Params p1 = p;
   p1.b_rows = static_cast<const __nv_bfloat16*>(a.grad_out);
   p1.m_a = (int)a.I;
   p1.a_tiles = (int)((a.I + wgrad::kTileM - 1) / wgrad::kTileM);
-  p1.tile_counter = ws.tile_counters;
+  p1.tile_counter = static_order ? nullptr : ws.tile_counters;
   if ((err = launch_wgrad<wgrad::Kind::kDownWgrad>(down, p1, a.bpc, stream)) != cudaSuccess) return err;
 
   wgrad::Params p2 = p;
@@ -119,7 +121,7 @@ cudaError_t fused_moe_bf16_wgrad(const FusedMoeBf16WgradArgs& a, cudaStream_t st
   p2.m_a = (int)(2 * a.I);
   p2.split = (int)a.I;
   p2.a_tiles = (int)((2 * a.I + wgrad::kTileM - 1) / wgrad::kTileM);
-  p2.tile_counter = ws.tile_counters + 1;
+  p2.tile_counter = static_order ? nullptr : ws.tile_counters + 1;
   return launch_wgrad<wgrad::Kind::kGateUpWgrad>(gate_up, p2, a.bpc, stream);
 }
 

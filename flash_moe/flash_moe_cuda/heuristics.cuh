@@ -30,6 +30,11 @@ constexpr int kConvertCtasPerSm = 16;
 // The backward's GEMMs: four stages, the most that fit beside their epilogue boxes (the dgrad's
 // SmemPlan, the wgrad's 48 KB stages: wgrad::Plan).
 constexpr int kDgradStages = 4, kWgradStages = 4;
+// The wgrads' tile order (moe_wgrad.cuh): static where the experts average 4 k-blocks (256 rows) or
+// more, else claimed from a counter. Against the counter (flash_moe/DESIGN.md §8.1 (j)): the wgrad
+// op -0.6 to -3.7 % at 512 rows an expert, level at 1024-2048, +2 % at 64 if static there (one or
+// two k-blocks a tile: a fixed share leaves CTAs unevenly loaded); 128-256 rows are unmeasured.
+inline bool wgrad_static_order(int64_t slots, int64_t E) { return slots >= 4 * 64 * E; }
 
 }  // namespace heuristics
 }  // namespace flash_moe

@@ -15,8 +15,8 @@
 // Rows past the expert's last live row inside its last 64-row block are zeros in A (the dgrad
 // epilogue writes its m-blocks whole) and zero-filled in B.
 //
-// Roles, as the forward's kernel (moe_gemm.cuh): a producer warpgroup (thread 0 claims tiles
-// and issues A's TMA; all 128 gather B) and two consumer warpgroups (rows 128 cw.. of the
+// Roles, as the forward's kernel (moe_gemm.cuh): a producer warpgroup (thread 0 issues A's TMA
+// and hands each tile to the consumers; all 128 gather B) and two consumer warpgroups (rows 128 cw.. of the
 // tile's 256 A features, two m64 blocks each, N = 128). Each tile takes ceil(rows / 64) stages,
 // or one (carrying no data) for an expert without rows, so the stage counter is carried from
 // tile to tile. Epilogue: 64 x 64 bf16 boxes staged in the tile's last stage and two 8 KB boxes per
@@ -24,9 +24,16 @@
 //
 // CTA pairs (kPaired, bpc = 2): the two CTAs of a cluster take B tiles 2j and 2j + 1 of one
 // (expert, A tile), so they reduce over the same rows in step, and each TMA-multicasts two of a
-// stage's four A boxes to both: A leaves L2 once per pair. Rank 0 claims for both (the forward's
-// claim exchange, gemm::TileSlots); with an odd B tile count the last pair's rank 1 is idle: it
-// loads its A half and passes its stages, computing and storing nothing.
+// stage's four A boxes to both: A leaves L2 once per pair. With an odd B tile count the last
+// pair's rank 1 is idle: it loads its A half and passes its stages, computing and storing nothing.
+//
+// Tile order (Params::tile_counter): claimed from a global counter (rank 0 of a pair claims for
+// both through the forward's claim exchange, gemm::TileSlots), or, with no counter, static: CTA
+// (or pair) u of U takes claims u, u + U, ..., each producer thread knowing its next tile a whole
+// tile ahead, so a tile switch waits on no atomic, claim barrier, span or token load. The host
+// takes the static order where the experts average 4 k-blocks or more
+// (heuristics::wgrad_static_order): with one or two k-blocks a tile, a fixed share leaves CTAs
+// unevenly loaded where the counter balances them.
 #pragma once
 
 #include "moe_gemm_consumer.cuh"
@@ -57,7 +64,7 @@ struct Params {
   int split;                     // kGateUpWgrad: A columns from `split` (= I) are grad_W3's rows
   int a_tiles, b_tiles;          // tiles per expert along A's and B's features
   const int32_t* span;           // per expert: [2e] INT_MAX - first m-block (0: none), [2e+1] end of live rows
-  int* tile_counter;             // zero before the launch
+  int* tile_counter;             // zero before the launch; null: the static tile order
 };
 struct Maps {
   CUtensorMap a;     // (L, m_a) bf16 rows, 64 x 64 boxes
@@ -94,16 +101,16 @@ struct Tile {
 };
 __device__ __forceinline__ int k_blocks(int rows) { return (rows + kBK - 1) / kBK; }
 
-// Tiles in expert order, an expert's A-feature tiles each with its B-feature tiles, claimed from a
-// global counter: the tiles running at once share the expert's rows in L2. kPaired: claim t
-// covers B tiles 2j and 2j + 1 (ceil(b_tiles / 2) claims per A tile), one per CTA of the pair.
+// Tiles in expert order, an expert's A-feature tiles each with its B-feature tiles: claim c of
+// the order (the tiles running at once are neighbours and share the expert's rows in L2).
+// kPaired: claim c covers B tiles 2j and 2j + 1 (ceil(b_tiles / 2) claims per A tile), one per CTA
+// of the pair.
 template <bool kPaired = false>
-__device__ inline Tile claim_tile(const Params& p) {
+__device__ inline Tile tile_at(const Params& p, int c) {
   const int b_claims = kPaired ? (p.b_tiles + 1) / 2 : p.b_tiles;
   const int per_expert = p.a_tiles * b_claims;
-  const int t = atomicAdd(p.tile_counter, 1);
-  if (t >= p.E * per_expert) return Tile{-1, 0, 0, 0, 0};
-  const int e = t / per_expert, r = t - e * per_expert;
+  if (c >= p.E * per_expert) return Tile{-1, 0, 0, 0, 0};
+  const int e = c / per_expert, r = c - e * per_expert;
   const int first = p.span[2 * e] > 0 ? 0x7FFFFFFF - p.span[2 * e] : -1;
   const int row0 = first >= 0 ? first * gemm::kBM : 0;
   const int rows = first >= 0 && p.span[2 * e + 1] > row0 ? p.span[2 * e + 1] - row0 : 0;
@@ -117,6 +124,12 @@ __device__ inline Tile partner_tile(const Params& p, Tile t) {
   else
     t.flags = gemm::kIdle;
   return t;
+}
+// The static order: this CTA's tile of claim c (rank 1 of a pair: the partner's).
+template <bool kPaired>
+__device__ inline Tile cta_tile(const Params& p, int c, uint32_t rank) {
+  const Tile t = tile_at<kPaired>(p, c);
+  return kPaired && rank == 1 ? partner_tile(p, t) : t;
 }
 
 // ---------------------------------------------------------------- producer
@@ -138,30 +151,47 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
   const int c = threadIdx.x & 15, r0 = threadIdx.x >> 4, lane = threadIdx.x & 31;
   const int id_row = 2 * (int)(threadIdx.x >> 5) + (lane & 1) + 8 * ((lane >> 1) & 7);
   const uint32_t b_off = P::kABytes + (c >> 3) * kBoxBytes + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+  const auto load_id = [&](const Tile& t, int kb) {
+    const int r = kBK * kb + id_row;
+    return r < t.rows ? p.token[t.row0 + r] : -1;
+  };
+  const bool claimed = p.tile_counter != nullptr;  // else the static order (see the header)
+  const int units = kPaired ? (int)gridDim.x / 2 : (int)gridDim.x;
+  int claim = kPaired ? (int)blockIdx.x / 2 : (int)blockIdx.x;
+  Tile tile{-1, 0, 0, 0, 0};
+  int id_next = -1, id_after = -1;
+  if (!claimed) {
+    tile = cta_tile<kPaired>(p, claim, slots.rank);
+    id_next = load_id(tile, 0), id_after = load_id(tile, 1);
+  }
   uint32_t it = 0;
   for (;;) {
-    // Two claim slots: a write never meets a pending read.
-    const Tile tile = slots.next<Tile>(
-        kGatherers, [&](uint32_t own) { gemm::TileSlots::put(own, claim_tile(p)); },
-        [&](uint32_t own, uint32_t peer) {
-          const Tile t = claim_tile<true>(p);
-          gemm::TileSlots::put(own, t);
-          gemm::TileSlots::put<true>(peer, partner_tile(p, t));
-        });
+    if (claimed) {
+      // Two claim slots: a write never meets a pending read.
+      tile = slots.next<Tile>(
+          kGatherers,
+          [&](uint32_t own) {
+            const int t = atomicAdd(p.tile_counter, 1);
+            gemm::TileSlots::put(own, tile_at(p, t));
+          },
+          [&](uint32_t own, uint32_t peer) {
+            const Tile t = tile_at<true>(p, atomicAdd(p.tile_counter, 1));
+            gemm::TileSlots::put(own, t);
+            gemm::TileSlots::put<true>(peer, partner_tile(p, t));
+          });
+      id_next = load_id(tile, 0), id_after = load_id(tile, 1);
+    }
     if (tile.e < 0) break;
     const bool gather = !(kPaired && (tile.flags & gemm::kIdle));
-    const int nk = k_blocks(tile.rows);
+    const int nk = k_blocks(tile.rows), stages = nk > 0 ? nk : 1;
     const int col = kTileN * tile.b_tile + 8 * c;
     const bool col_ok = col < p.n_b;
-    const auto load_id = [&](int kb) {
-      const int r = kBK * kb + id_row;
-      return r < tile.rows ? p.token[tile.row0 + r] : -1;
-    };
-    int id_next = load_id(0), id_after = load_id(1);
-    for (int kb = 0; kb < (nk > 0 ? nk : 1); ++kb, ++it) {
+    Tile next{-1, 0, 0, 0, 0};
+    int next_id0 = -1, next_id1 = -1;
+    for (int kb = 0; kb < stages; ++kb, ++it) {
       const int id = id_next;
       id_next = id_after;
-      id_after = load_id(kb + 2);
+      id_after = load_id(tile, kb + 2);
       const int s = it % kStages;
       const uint32_t stage = sbase + s * P::kStageBytes;
       mbar_wait(bars.empty(s), ((it / kStages) & 1) ^ 1);
@@ -193,6 +223,16 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
         }
       }
       cp_async_arrive_noinc(bars.full(s));
+      // The static order's next tile, a tile ahead: its expert's span once this stage's copies
+      // are issued, its first two k-blocks' tokens a stage later (they wait for the span).
+      if (!claimed && kb == 0) next = cta_tile<kPaired>(p, claim + units, slots.rank);
+      if (!claimed && kb == (stages > 1 ? 1 : 0)) next_id0 = load_id(next, 0), next_id1 = load_id(next, 1);
+    }
+    if (!claimed) {
+      claim += units;
+      tile = next;
+      id_next = next_id0;
+      id_after = next_id1;
     }
   }
   // The end of the schedule: a stage whose slot says e = -1 (thread 0's arrive + the gatherers').

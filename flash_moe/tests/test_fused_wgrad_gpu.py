@@ -69,11 +69,23 @@ CASES = [
     (300, 136, 128, 8, 2, 0.0, None),  # K % 128 == 8: the last 128-feature B tile (x, grad_out rows) has 8 live
     (257, 264, 64, 6, 2, 0.2, None),  # K = 264 (three B tiles, the last with 8 live) with I = 64 and -1 ids
     (100, 256, 128, 512, 8, 0.0, None),  # E = 512 (the most num_experts allows): about 100 experts empty
-    # experts averaging 4 k-blocks (256 rows) or more, as at the bench shapes 1-4, on odd dims:
+    # experts averaging 4 k-blocks (256 rows) or more, as at the bench shapes 1-4 (the static tile
+    # order, with (2048, 2048, 768, 64, 8)), on odd dims:
     (1200, 320, 192, 4, 2, 0.2, None),  # 600 rows an expert, 2I % 256 != 0, K % 128 != 0, -1 ids
     (1100, 384, 128, 4, 1, 0.0, 2),  # 1100 rows on one expert, three experts empty
     (1024, 264, 64, 2, 1, 0.0, None),  # 512 rows an expert, K = 264, I = 64
 ]
+
+
+def _static_order(M, top_k, E):
+    """heuristics::wgrad_static_order, restated: tiles in a fixed order where the experts average
+    4 k-blocks (256 rows) or more, claimed from a counter below."""
+    return M * top_k >= 4 * 64 * E
+
+
+def test_cases_take_both_tile_orders():
+    orders = [_static_order(M, 1 if one is not None else top_k, E) for M, _, _, E, top_k, _, one in CASES]
+    assert orders.count(True) >= 3 and orders.count(False) >= 3, orders
 
 
 # bpc 2: CTA pairs take B tiles 2j, 2j + 1; an odd B-tile count (K = 320, 384, 264: three) leaves
