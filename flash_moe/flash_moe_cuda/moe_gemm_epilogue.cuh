@@ -34,9 +34,9 @@ __device__ __forceinline__ float silu_times(float g, float u) {
 // writes columns 64 tb .. 64 tb + 63 of the block, value(a) each, as a 64 x 64 bf16 box at `box`
 // (1024-byte aligned) in the 128-byte swizzle the output's TMA map reads, fragment matrix (h, j)
 // by fragment matrix, lane L addressing a row of matrix (h, j) = (L/8 % 2, j0 + L/16):
-//   kTransposed (h, Y, grad_W1|W3: features contiguous): a 128-byte row per column, stmatrix .trans;
+//   kTransposed (h, Y, grad_W2: features contiguous): a 128-byte row per column, stmatrix .trans;
 //     lane L addresses column row 8(j - 8 tb) + L%8, whose 8 features are chunk 2 w4 + h;
-//   else (grad_W2: columns contiguous): a 128-byte row per feature, stmatrix; lane L addresses
+//   else (grad_W1|W3: columns contiguous): a 128-byte row per feature, stmatrix; lane L addresses
 //     feature row 16 w4 + 8h + L%8, whose 8 columns are chunk j - 8 tb.
 template <bool kTransposed, class Value>
 __device__ __forceinline__ void put_box(uint32_t box, int tb, int w4, int lane, Value value) {

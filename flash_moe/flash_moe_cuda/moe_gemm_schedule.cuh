@@ -35,12 +35,11 @@ __host__ __device__ constexpr bool mn_major(Kind k) { return k == Kind::kDownDgr
 __host__ __device__ constexpr int tile_features(Kind k) { return k == Kind::kGateUp ? 128 : 256; }
 
 // Named barriers (bar.sync ids; 0 is __syncthreads): the producer warpgroup has one, each
-// consumer warpgroup cw (0 or 1) two of its own; the wgrads' consumer warpgroups share one more.
+// consumer warpgroup cw (0 or 1) two of its own, so the warpgroups never wait on each other.
 enum NamedBarrier : int {
   kProducerBarrier = 1,  // the producer threads that read a claimed tile (TileSlots)
   kTileBarrier = 2,      // + cw: once per tile (live-row count, router weights, HandOff's count)
   kEpilogueBarrier = 4,  // + cw: the epilogue's box hand-offs and stage release (bf16)
-  kConsumersBarrier = 6,  // both consumer warpgroups: the wgrads' held stage, read by both
 };
 
 // The parts of GemmParams that only one GEMM, one weight format or CTA pairs read.

@@ -8,25 +8,19 @@
 // once: no split over p, no atomics, bit-identical run to run. An expert without rows gets zeros.
 //
 // Operands (both have the feature dimension contiguous and p as the row, so both are MN-major):
-//   A (256 features, the wgmma's N): the (L, C) rows fused_moe_bf16_dgrad wrote by sorted
-//     position, s*h or dA|dB, by TMA: four 64-feature x 64-row boxes per stage (N-major, trans-b).
-//   B (128 features, a warpgroup's 64 the wgmma's M): the token rows (grad_out or x) gathered by
-//     sorted id with cp.async, as the forward gathers x: two 64-feature x 64-row boxes (M-major,
-//     trans-a).
+//   A (wgmma M, 256 features): the (L, C) rows fused_moe_bf16_dgrad wrote by sorted position,
+//     s*h or dA|dB, by TMA: four 64-feature x 64-row boxes per stage (M-major, trans-a).
+//   B (wgmma N, 128 features): the token rows (grad_out or x) gathered by sorted id with
+//     cp.async, as the forward gathers x: two 64-feature x 64-row boxes (N-major, trans-b).
 // Rows past the expert's last live row inside its last 64-row block are zeros in A (the dgrad
 // epilogue writes its m-blocks whole) and zero-filled in B.
 //
 // Roles, as the forward's kernel (moe_gemm.cuh): a producer warpgroup (thread 0 issues A's TMA
-// and hands each tile to the consumers; all 128 gather B) and two consumer warpgroups. Consumer
-// cw computes B features 64 cw.. of the tile's 128 against all 256 A features: one m64n256 wgmma
-// a k16 step, B's gathered box cw as the wgmma's A (64 x 16, MN-major) and A's four TMA boxes as
-// its B (256 x 16, MN-major). Two m64n128 wgmmas over A's features would read B's box twice:
-// 24 KB of shared memory a k16 step for both warpgroups, against 20 (flash_moe/DESIGN.md
-// §8.5 (e)). Each tile takes ceil(rows / 64) stages, or one (carrying no data) for an expert
-// without rows, so the stage counter is carried from tile to tile. Epilogue: four 64 x 64 bf16
-// boxes a warpgroup, two over A's boxes 2 cw, 2 cw + 1 in the tile's last stage (once both
-// warpgroups' wgmmas are done with it) and two of its own, stored by TMA (kGateUpWgrad
-// transposed: grad_W1|W3's rows are A's features).
+// and hands each tile to the consumers; all 128 gather B) and two consumer warpgroups (rows 128 cw.. of the
+// tile's 256 A features, two m64 blocks each, N = 128). Each tile takes ceil(rows / 64) stages,
+// or one (carrying no data) for an expert without rows, so the stage counter is carried from
+// tile to tile. Epilogue: 64 x 64 bf16 boxes staged in the tile's last stage and two 8 KB boxes per
+// warpgroup, stored by TMA (kDownWgrad transposed: grad_W2's rows are B's features).
 //
 // CTA pairs (kPaired, bpc = 2): the two CTAs of a cluster take B tiles 2j and 2j + 1 of one
 // (expert, A tile), so they reduce over the same rows in step, and each TMA-multicasts two of a
@@ -50,13 +44,12 @@ namespace wgrad {
 using namespace sm90;
 using gemm::kBK;
 using gemm::kEpilogueBarrier;
-using gemm::kConsumersBarrier;
 using gemm::kProducerBarrier;
 
 enum class Kind { kDownWgrad, kGateUpWgrad };
 
-constexpr int kTileM = 256;                    // A features per tile (the wgmma's N)
-constexpr int kTileN = 128;                    // B features per tile (2 warpgroups x m64)
+constexpr int kTileM = 256;                    // A features per tile (2 warpgroups x 2 m64 blocks)
+constexpr int kTileN = 128;                    // B features per tile (wgmma N)
 constexpr int kBoxBytes = 64 * kBK * 2;        // 8 KB: 64 features x 64 rows, 128-byte swizzle
 constexpr int kThreads = gemm::kThreads;       // producer warpgroup + 2 consumer warpgroups
 constexpr int kGatherers = 128;                // the producer warpgroup
@@ -254,19 +247,21 @@ __device__ void produce(const Maps& tm, const Params& p, uint32_t sbase, const g
 }
 
 // ---------------------------------------------------------------- consumers
-// One 64 x 64 output box of the consumer warpgroup's 64 x 256 share (B features 64 cw.. as the
-// accumulators' rows, A features 64 tb.. as their columns); put in shared memory at `box` and
+// One 64 x 64 output box of the consumer warpgroup's tile: A features 64 block.. of its 128 (acc,
+// that block's accumulators), B features 64 tb..; put in shared memory at `boxes` + tb * 8 KB and
 // stored by TMA (thread 0 of the warpgroup; one bulk group per box, committed even when the box
 // lies past the output).
 template <Kind kKind>
 __device__ __forceinline__ void store_box(const Maps& tm, const Params& p, const gemm::ConsumerThread& me,
-                                          const Tile& tile, uint32_t box, int tb, const float (&acc)[128]) {
+                                          const Tile& tile, uint32_t boxes, int block, int tb,
+                                          const float (&acc)[kWgmmaAccRegs]) {
   const int cw = me.cw;
-  gemm::put_box<kKind == Kind::kGateUpWgrad>(box, tb, me.w4, me.lane, [&](int a) { return acc[a]; });
+  const uint32_t box = boxes + tb * kBoxBytes;
+  gemm::put_box<kKind == Kind::kDownWgrad>(box, tb, me.w4, me.lane, [&](int a) { return acc[a]; });
   fence_proxy_async_shared();
   named_barrier_sync(kEpilogueBarrier + cw, 128);
   if ((threadIdx.x & 127) == 0) {
-    const int fa = kTileM * tile.a_tile + 64 * tb, fb = kTileN * tile.b_tile + 64 * cw;
+    const int fa = kTileM * tile.a_tile + 128 * cw + 64 * block, fb = kTileN * tile.b_tile + 64 * tb;
     if (fa < p.m_a && fb < p.n_b) {
       if constexpr (kKind == Kind::kDownWgrad)
         tma_store_3d(&tm.out, box, fa, fb, tile.e);  // grad_W2[e][fb..][fa..]
@@ -287,10 +282,11 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
   using P = Plan<kStages>;
   const gemm::ConsumerThread me;
   const int cw = me.cw, lane = me.lane, q = threadIdx.x & 127;
-  float acc[128];
-  gemm::zero_fill(acc);
+  float acc0[kWgmmaAccRegs], acc1[kWgmmaAccRegs];  // the wrapper's arrays; N = kTileN fills 64
+  gemm::zero_fill(acc0);
+  gemm::zero_fill(acc1);
   uint32_t it = 0;
-  gemm::HeldStage<kStages> held;  // A's boxes 2 cw, 2 cw + 1 there take output boxes
+  gemm::HeldStage<kStages> held;  // its two A blocks take output boxes
   for (;;) {
     mbar_wait(bars.full(it % kStages), (it / kStages) & 1);
     const Tile tile = gemm::TileSlots::get_lane0<Tile>(slots.stage(it % kStages));
@@ -302,13 +298,14 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
       mbar_wait(bars.full(s), (it / kStages) & 1);
       const uint32_t stage = sbase + s * P::kStageBytes;
       if (nk > 0 && !idle) {
-        const uint32_t rows = stage + P::kABytes + cw * kBoxBytes;  // B's box cw: the wgmma's A
+        const uint32_t a0 = stage + (2 * cw) * kBoxBytes, a1 = a0 + kBoxBytes, b = stage + P::kABytes;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {  // a k16 step is 16 rows of 128 bytes
+          const uint64_t db = make_desc_sw128_mn(b + kk * 2048);
           const int sc = (kb > 0 || kk > 0) ? 1 : 0;
-          wgmma_m64n256k16_tt_bf16(acc, make_desc_sw128_mn(rows + kk * 2048), make_desc_sw128_mn(stage + kk * 2048),
-                                   sc);
+          wgmma_ss_bf16<kTileN, true, true>(acc0, make_desc_sw128_mn(a0 + kk * 2048), db, sc);
+          wgmma_ss_bf16<kTileN, true, true>(acc1, make_desc_sw128_mn(a1 + kk * 2048), db, sc);
         }
         wgmma_commit();
       }
@@ -316,17 +313,21 @@ __device__ void consume(const Maps& tm, const Params& p, uint32_t sbase, const g
     }
     held.hold_last(it);
     if (idle) continue;
-    if (nk == 0) gemm::zero_fill(acc);  // an expert without rows: its gradient is zero
+    if (nk == 0) {  // an expert without rows: its gradient is zero
+      gemm::zero_fill(acc0);
+      gemm::zero_fill(acc1);
+    }
 
-    // Boxes 0-1 over A's boxes 2 cw, 2 cw + 1 in the held stage, which both warpgroups' wgmmas
-    // read (hence the barrier: the other's are done too), boxes 2-3 in the warpgroup's own, so no
-    // store waits for another's read (the held stage's release waits for all four).
-    named_barrier_sync(kConsumersBarrier, 256);
+    // Box 2 block + tb: A features 64 block.. of the warpgroup's 128, B features 64 tb..;
+    // the first two over the warpgroup's A blocks in the held stage, the last two in its own
+    // boxes, so no store waits for another's read (the held stage's release waits for all four).
     const uint32_t held_a = sbase + held.stage * P::kStageBytes + (2 * cw) * kBoxBytes;
     const uint32_t own = sbase + P::kEpiOffset + (2 * cw) * kBoxBytes;
 #pragma unroll
-    for (int tb = 0; tb < 4; ++tb)
-      store_box<kKind>(tm, p, me, tile, (tb < 2 ? held_a : own) + (tb & 1) * kBoxBytes, tb, acc);
+    for (int block = 0; block < 2; ++block)
+#pragma unroll
+      for (int tb = 0; tb < 2; ++tb)
+        store_box<kKind>(tm, p, me, tile, block ? own : held_a, block, tb, block ? acc1 : acc0);
   }
   held.release(bars, cw);
   if (q == 0) bulk_wait_all();
