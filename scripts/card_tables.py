@@ -39,6 +39,16 @@ def _spaced_b2b(row: dict | None) -> str:
     return f"{row['ms']:.3f} / {sustained['ms']:.3f}" if sustained else f"{row['ms']:.3f} / —"
 
 
+def _ratio(peer: dict | None, ours: dict) -> str:
+    """peer's ms over ours, spaced / back to back."""
+    if peer is None:
+        return "—"
+    b2b = "—"
+    if peer.get("sustained") and ours.get("sustained"):
+        b2b = f"{peer['sustained']['ms'] / ours['sustained']['ms']:.2f}"
+    return f"{peer['ms'] / ours['ms']:.2f} / {b2b}"
+
+
 def _sonicmoe_lines(peer_run: dict) -> list[str]:
     """SonicMoE beside ours, both timed in sonicmoe_peer.py's one run (its own results file)."""
     intro = ("Against SonicMoE, timed in one run of `benchmarks/sonicmoe_peer.py` (ours re-timed there; "
@@ -52,18 +62,32 @@ def _sonicmoe_lines(peer_run: dict) -> list[str]:
     both_peer = _rows(peer_run, "fused_moe_bf16_forward_backward", "sonicmoe")
     for shape, r in ours.items():
         p = peer.get(shape)
-        ratio = "—"
-        if p is not None:
-            b2b = "—"
-            if p.get("sustained") and r.get("sustained"):
-                b2b = f"{p['sustained']['ms'] / r['sustained']['ms']:.2f}"
-            ratio = f"{p['ms'] / r['ms']:.2f} / {b2b}"
-        lines.append(f"| {', '.join(map(str, shape))} | {_spaced_b2b(r)} | {_spaced_b2b(p)} | {ratio} | "
+        lines.append(f"| {', '.join(map(str, shape))} | {_spaced_b2b(r)} | {_spaced_b2b(p)} | {_ratio(p, r)} | "
                      f"{_spaced_b2b(both.get(shape))} | {_spaced_b2b(both_peer.get(shape))} |")
     return lines + ["", _provenance(peer_run)]
 
 
-def flash_moe_table(results: dict, peer_run: dict | None = None) -> str:
+def _training_lines(run: dict) -> list[str]:
+    """The backward and forward+backward rows of a compare.py run, spaced / back to back."""
+    bwd = _rows(run, "fused_moe_bf16_backward", "prime-kernels")
+    peer = _rows(run, "fused_moe_bf16_backward", "prime-rl backward")
+    both = _rows(run, "fused_moe_bf16_forward_backward", "prime-kernels")
+    both_peer = _rows(run, "fused_moe_bf16_forward_backward", "prime-rl backward")
+    lines = ["", "Training: the backward (`moe(...)`'s, 12·M·K·I FLOPs) and forward+backward with its peak memory; "
+             "ms spaced / back to back.", "",
+             "| shape | backward ms | TFLOP/s, spaced | prime-rl's backward | prime-rl's ÷ ours | forward+backward | "
+             "peak GB, ours / prime-rl's |", "|---|---|---|---|---|---|---|"]
+    for shape, r in bwd.items():
+        p, b, bp = peer.get(shape), both.get(shape), both_peer.get(shape)
+        peak = f"{b['peak_GB']:.2f} / {bp['peak_GB']:.2f}" if b and bp else "—"
+        lines.append(f"| {', '.join(map(str, shape))} | {_spaced_b2b(r)} | {r['tflops']:.0f} | {_spaced_b2b(p)} | "
+                     f"{_ratio(p, r)} | {_spaced_b2b(b)} | {peak} |")
+    return lines + ["", _provenance(run)]
+
+
+def flash_moe_table(results: dict, peer_run: dict | None = None, training_run: dict | None = None) -> str:
+    """The forward rows of h200.json; the training rows of training_run (a run of those rows alone)
+    where there is one, else of h200.json; SonicMoE's run of its own beside them."""
     ours = _rows(results, "fused_moe_bf16", "prime-kernels")
     mx = _rows(results, "fused_moe_mxfp8", "prime-kernels")
     grouped = _rows(results, "fused_moe_bf16", "grouped_mm")
@@ -79,20 +103,10 @@ def flash_moe_table(results: dict, peer_run: dict | None = None) -> str:
         lines.append(f"| {', '.join(map(str, shape))} | {_ms(r, 'tflops', 'TF/s')} | {b2b} | "
                      f"{_ms(mx.get(shape), 'tflops', 'TF/s')} | {_ms(grouped.get(shape), 'tflops', 'TF/s')} | "
                      f"{_ms(liger.get(shape), 'tflops', 'TF/s')} |")
-    bwd = _rows(results, "fused_moe_bf16_backward", "prime-kernels")
-    if bwd:
-        peer = _rows(results, "fused_moe_bf16_backward", "prime-rl backward")
-        both = _rows(results, "fused_moe_bf16_forward_backward", "prime-kernels")
-        both_peer = _rows(results, "fused_moe_bf16_forward_backward", "prime-rl backward")
-        lines += ["", "Training: the backward (`moe(...)`'s, 12·M·K·I FLOPs) and forward+backward with its peak memory.",
-                  "", "| shape | backward ms (TFLOP/s) | prime-rl's backward | forward+backward | peak GB, ours / prime-rl's |",
-                  "|---|---|---|---|---|"]
-        for shape, r in bwd.items():
-            b, bp = both.get(shape), both_peer.get(shape)
-            peak = f"{b['peak_GB']:.2f} / {bp['peak_GB']:.2f}" if b and bp else "—"
-            lines.append(f"| {', '.join(map(str, shape))} | {_ms(r, 'tflops', 'TF/s')} | "
-                         f"{_ms(peer.get(shape), 'tflops', 'TF/s')} | {_ms(b, 'tflops', 'TF/s')} | {peak} |")
     lines += ["", _provenance(results)]
+    training = training_run if training_run is not None else results
+    if _rows(training, "fused_moe_bf16_backward", "prime-kernels"):
+        lines += _training_lines(training)
     if peer_run is not None:
         lines += _sonicmoe_lines(peer_run)
     return "\n".join(lines)
@@ -121,7 +135,9 @@ def rmsnorm_table(results: dict) -> str:
 
 
 TABLES = {"flash_moe": flash_moe_table, "rmsnorm": rmsnorm_table}
-PEER_RUNS = {"flash_moe": "h200_sonicmoe.json"}  # a peer timed in a run of its own, beside h200.json
+# Runs of their own beside h200.json, passed to the member's table in this order where they exist:
+# a peer timed alone (SonicMoE), the training rows timed alone (compare.py --shapes=).
+EXTRA_RUNS = {"flash_moe": ("h200_sonicmoe.json", "h200_training.json")}
 
 
 def rendered(member: str) -> tuple[pathlib.Path, str, str]:
@@ -132,10 +148,10 @@ def rendered(member: str) -> tuple[pathlib.Path, str, str]:
         raise ValueError(f"{card}: needs exactly one {BEGIN} ... {END} block")
     results_dir = ROOT / member / "benchmarks" / "results"
     results = json.loads((results_dir / "h200.json").read_text())
-    peer_file = results_dir / PEER_RUNS[member] if member in PEER_RUNS else None
     runs = [results]
-    if peer_file is not None and peer_file.exists():
-        runs.append(json.loads(peer_file.read_text()))
+    for name in EXTRA_RUNS.get(member, ()):
+        path = results_dir / name
+        runs.append(json.loads(path.read_text()) if path.exists() else None)
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
     return card, text, f"{head}{BEGIN}\n{TABLES[member](*runs)}\n{END}{tail}"

@@ -31,7 +31,9 @@ backward (`backward_ms_by_bpc`, `bits_equal_across_bpc`; back to back: `sustaine
 windows per bpc in the order 1 2 2 1), and
 the dgrad and wgrad ops back to back at `moe`'s bpc (`sustained_by_op`).
 
-Writes <out>/h200.json (docs/DESIGN.md §9 schema) and a PNG beside it.
+Writes <out>/h200.json (docs/DESIGN.md §9 schema), h200.png of the forward rows and h200_backward.png
+of the backward rows, each where there are such rows (a run with --shapes= is the training rows alone:
+results/h200_training.json is one).
 
 Our ops run as a caller who passes no tuning argument calls them: `bpc=None`, which takes
 `flash_moe.preferred_bpc(shape)` (CTA pairs where they measured faster; recorded as `bpc` in the
@@ -923,7 +925,8 @@ def main():
     result = results_record(resolve_commit(args.commit), ceil, rows)
     (out_dir / "h200.json").write_text(json.dumps(result, indent=1))
     try:
-        plot(rows, copy, mm, out_dir / "h200.png", result["gpu"], ceil.get("bf16_matmul_sustained"))
+        if any(r["op"] == "fused_moe_bf16" for r in rows):  # a backward-only run (--shapes=) has no forward plot
+            plot(rows, copy, mm, out_dir / "h200.png", result["gpu"], ceil.get("bf16_matmul_sustained"))
         if any(r["op"] == "fused_moe_bf16_backward" for r in rows):
             plot_backward(rows, mm, out_dir / "h200_backward.png", result["gpu"])
     except Exception as e:  # noqa: BLE001

@@ -140,12 +140,12 @@ def test_preferred_bpc(pkg):
     assert [pkg.preferred_bpc(*s) for s in shapes] == [2, 2, 2, 2, 1]
     assert [pkg.preferred_bpc(*s, mxfp8=True) for s in shapes] == [1, 1, 1, 1, 1]
     assert pkg.preferred_bpc(255, 2048, 768, 1, 1) == 1 and pkg.preferred_bpc(256, 2048, 768, 1, 1) == 2
-    # The backward (either forward format): pairs at dim >= 4096 where the forward's rule takes
-    # them (the backward's shapes 3-4, flash_moe/DESIGN.md §8.4); bpc 1 at dim 2048 and with few rows.
+    # The backward (either forward format): the bf16 forward's rule (flash_moe/DESIGN.md §8.4), so
+    # bpc 1 only with one block an expert (the backward's shape 5 and the last).
     backward = [(8192, 2048, 768, 64, 8), (16384, 2048, 768, 128, 8), (32768, 4096, 1024, 64, 4),
                 (8192, 4096, 1536, 128, 8), (1024, 2048, 768, 128, 8), (1024, 4096, 1536, 128, 8)]
     for mxfp8 in (False, True):
-        assert [pkg.preferred_bpc(*s, mxfp8=mxfp8, backward=True) for s in backward] == [1, 1, 2, 2, 1, 1]
+        assert [pkg.preferred_bpc(*s, mxfp8=mxfp8, backward=True) for s in backward] == [2, 2, 2, 2, 1, 1]
 
 
 def test_default_bpc_reaches_each_op(pkg, monkeypatch):
@@ -190,11 +190,11 @@ def test_default_bpc_reaches_each_op(pkg, monkeypatch):
     assert seen["fused_moe_bf16_dgrad"][10] == 1
     pkg.fused_moe_bf16_wgrad(x, g, dab, sh[0], ids, blocks, ntpp, E, k)
     assert seen["fused_moe_bf16_wgrad"][9] == 1
-    K2 = 2048  # dim 2048: the backward takes 1 where the forward takes pairs
+    K2 = 2048  # dim 2048: pairs too (the rule reads the rows an expert, not the dim)
     pkg.fused_moe_bf16_dgrad(g[:, :K2], w1[..., :K2], w1[..., :K2], w2[:, :K2], sh, ids, blocks, ntpp, wt, k)
-    assert seen["fused_moe_bf16_dgrad"][10] == 1
+    assert seen["fused_moe_bf16_dgrad"][10] == 2
     pkg.fused_moe_bf16_wgrad(x[:, :K2], g[:, :K2], dab, sh, ids, blocks, ntpp, E, k)
-    assert seen["fused_moe_bf16_wgrad"][9] == 1
+    assert seen["fused_moe_bf16_wgrad"][9] == 2
     T2 = 2 * pkg.BLOCK_M * E // k - 1  # one slot short of two blocks an expert: 1 (the E each op reads)
     pkg.fused_moe_bf16_dgrad(g[:T2], w1, w1, w2, sh, ids, blocks, ntpp, wt[:T2], k)
     pkg.fused_moe_bf16_wgrad(x[:T2], g[:T2], dab, sh, ids, blocks, ntpp, E, k)

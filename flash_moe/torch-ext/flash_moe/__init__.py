@@ -107,14 +107,11 @@ def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, 
     (flash_moe/DESIGN.md §5).
 
     backward=True (`fused_moe_bf16_dgrad` / `fused_moe_bf16_wgrad`, whatever the forward's
-    format): 2 at dim >= 4096 with the same two blocks an expert; else 1. Measured: -4.0 to
-    -6.7 % at the backward's shape 4 in four runs, level at shape 3 and at dim 2048, +7 % with 64
-    rows an expert (flash_moe/DESIGN.md §8.4); dims between 2048 and 4096 are unmeasured.
+    format): the bf16 forward's rule. Measured (flash_moe/DESIGN.md §8.4): -4 to -7 % at the
+    backward's shape 4 in every run, level to -3 % at shape 3, -1.3 % back to back at dim 2048
+    (four runs), +7 % with 64 rows an expert.
     """
-    if backward:
-        if dim < 4096:  # the backward is bf16 whatever the forward ran: mxfp8 plays no part
-            return 1
-    elif mxfp8:
+    if mxfp8 and not backward:  # the backward is bf16 whatever the forward ran
         return 1
     return 2 if num_tokens * top_k >= 2 * BLOCK_M * num_experts else 1
 
