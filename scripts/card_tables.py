@@ -135,9 +135,9 @@ def rmsnorm_table(results: dict) -> str:
 
 
 TABLES = {"flash_moe": flash_moe_table, "rmsnorm": rmsnorm_table}
-# Runs of their own beside h200.json, passed to the member's table in this order where they exist:
-# a peer timed alone (SonicMoE), the training rows timed alone (compare.py --shapes=).
-EXTRA_RUNS = {"flash_moe": ("h200_sonicmoe.json", "h200_training.json")}
+# Runs of their own beside h200.json, passed to the member's table by keyword (None where the file
+# is missing): a peer timed alone (SonicMoE), the training rows timed alone (compare.py --shapes=).
+EXTRA_RUNS = {"flash_moe": {"peer_run": "h200_sonicmoe.json", "training_run": "h200_training.json"}}
 
 
 def rendered(member: str) -> tuple[pathlib.Path, str, str]:
@@ -148,13 +148,13 @@ def rendered(member: str) -> tuple[pathlib.Path, str, str]:
         raise ValueError(f"{card}: needs exactly one {BEGIN} ... {END} block")
     results_dir = ROOT / member / "benchmarks" / "results"
     results = json.loads((results_dir / "h200.json").read_text())
-    runs = [results]
-    for name in EXTRA_RUNS.get(member, ()):
+    extra = {}
+    for key, name in EXTRA_RUNS.get(member, {}).items():
         path = results_dir / name
-        runs.append(json.loads(path.read_text()) if path.exists() else None)
+        extra[key] = json.loads(path.read_text()) if path.exists() else None
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    return card, text, f"{head}{BEGIN}\n{TABLES[member](*runs)}\n{END}{tail}"
+    return card, text, f"{head}{BEGIN}\n{TABLES[member](results, **extra)}\n{END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
