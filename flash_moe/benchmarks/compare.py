@@ -32,8 +32,8 @@ windows per bpc in the order 1 2 2 1), and
 the dgrad and wgrad ops back to back at `moe`'s bpc (`sustained_by_op`).
 
 Writes <out>/h200.json (docs/DESIGN.md §9 schema), h200.png of the forward rows and h200_backward.png
-of the backward rows, each where there are such rows (a run with --shapes= is the training rows alone:
-results/h200_training.json is one).
+of the backward rows, each where there are such rows (a run with --shapes= is the training rows alone;
+committed as results/h200_training.json, the card reads it in place of h200.json's training rows).
 
 Our ops run as a caller who passes no tuning argument calls them: `bpc=None`, which takes
 `flash_moe.preferred_bpc(shape)` (CTA pairs where they measured faster; recorded as `bpc` in the
