@@ -109,7 +109,7 @@ def preferred_bpc(num_tokens: int, dim: int, hidden_dim: int, num_experts: int, 
     backward=True (`fused_moe_bf16_dgrad` / `fused_moe_bf16_wgrad`, whatever the forward's
     format): the bf16 forward's rule. Measured (flash_moe/DESIGN.md §8.4): -3 to -7 % at the
     backward's shape 4 in every run, level spaced and -2 to -3 % back to back at shape 3, level
-    spaced and -1.1 / -1.3 % back to back (means of four runs) at dim 2048, +0.5 to +9 % with 64
+    spaced and -1.3 / -1.4 % back to back (means of five runs) at dim 2048, +0.5 to +9 % with 64
     rows an expert.
     """
     if mxfp8 and not backward:  # the backward is bf16 whatever the forward ran
