@@ -1,11 +1,11 @@
 """Two builds of flash_moe timed against each other in one process: a kernel change against the
 tree it changes, on one machine and in one power state. The backward's ops on compare.py's
 BACKWARD_SHAPES -- `fused_moe_bf16_dgrad`, `fused_moe_bf16_wgrad` and `functional.fused_backward`
--- each timed as compare.py times an op alone (the builds in the order A B B A, the faster of each
+-- and, with `--ops forward`, the bf16 forward on the same routing, each timed as compare.py times an op alone (the builds in the order A B B A, the faster of each
 build's two medians), every output compared bit for bit between the builds:
 
     python3 flash_moe/benchmarks/ab_builds.py --b .ab/flash_moe/build [--a flash_moe/build]
-        [--shapes 0,1,2,3,4] [--ops dgrad,wgrad,backward] [--bpc 1] [--iters 20] [--out ab.json]
+        [--shapes 0,1,2,3,4] [--ops dgrad,wgrad,backward,forward] [--bpc 1] [--iters 20] [--out ab.json]
         [--no-sustained]
 
 --a / --b: a member's build/ folder (kernels.get_local_kernel takes the variant of this torch;
@@ -30,7 +30,8 @@ import torch
 
 import compare  # this folder is on sys.path when run as a script
 
-OPS = ("dgrad", "wgrad", "backward")
+OPS = ("dgrad", "wgrad", "backward", "forward")
+DEFAULT_OPS = "dgrad,wgrad,backward"
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -39,7 +40,7 @@ def parse_args(argv=None):
     ap.add_argument("--a", default=str(HERE.parent / "build"), help="build A: a flash_moe build/ folder")
     ap.add_argument("--b", required=True, help="build B: a flash_moe build/ folder")
     ap.add_argument("--shapes", default="0,1,2,3,4", help="BACKWARD_SHAPES indices")
-    ap.add_argument("--ops", default=",".join(OPS), help=f"a comma-separated subset of {', '.join(OPS)}")
+    ap.add_argument("--ops", default=DEFAULT_OPS, help=f"a comma-separated subset of {', '.join(OPS)}")
     ap.add_argument("--bpc", type=int, default=None, help="1 or 2 for both builds; default: each op's default")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -83,11 +84,14 @@ def shape_rows(builds, shape, args, monitor=None):
         if op == "dgrad":
             dx, d_ab, s_h, dscore = out
             return dx, d_ab[:used], s_h[:used], dscore
-        return out
+        return (out,) if op == "forward" else out
 
     rows, callables = [], []
     for op in (o for o in OPS if o in args.ops):
         def fn_for(k, op=op):
+            if op == "forward":  # its last step, reduce_kernel, is the dgrad's too
+                x, w1, w2, w3, wt = inputs
+                return lambda i: builds[k].functional._forward(x, w1, w2, w3, wt, routing, False)
             return compare.backward_op(builds[k], op, args.bpc, go, inputs, routing, preact, (dab, sh))
 
         bits = same_bits(defined(op, fn_for("A")(0)), defined(op, fn_for("B")(0)))
