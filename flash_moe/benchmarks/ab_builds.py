@@ -1,8 +1,9 @@
 """Two builds of flash_moe timed against each other in one process: a kernel change against the
 tree it changes, on one machine and in one power state. The backward's ops on compare.py's
 BACKWARD_SHAPES -- `fused_moe_bf16_dgrad`, `fused_moe_bf16_wgrad` and `functional.fused_backward`
--- and, with `--ops forward`, the bf16 forward on the same routing, each timed as compare.py times an op alone (the builds in the order A B B A, the faster of each
-build's two medians), every output compared bit for bit between the builds:
+-- and, with `--ops forward`, the bf16 forward on the same routing, each timed as compare.py times
+an op alone (the builds in the order A B B A, the faster of each build's two medians), every output
+compared bit for bit between the builds:
 
     python3 flash_moe/benchmarks/ab_builds.py --b .ab/flash_moe/build [--a flash_moe/build]
         [--shapes 0,1,2,3,4] [--ops dgrad,wgrad,backward,forward] [--bpc 1] [--iters 20] [--out ab.json]

@@ -33,7 +33,8 @@ the dgrad and wgrad ops back to back at `moe`'s bpc (`sustained_by_op`).
 
 Writes <out>/h200.json (docs/DESIGN.md §9 schema), h200.png of the forward rows and h200_backward.png
 of the backward rows, each where there are such rows (a run with --shapes= is the training rows alone;
-committed as results/h200_training.json, the card reads it in place of h200.json's training rows).
+where such a run is committed as results/h200_training.json, the card reads its training rows in
+place of h200.json's).
 
 Our ops run as a caller who passes no tuning argument calls them: `bpc=None`, which takes
 `flash_moe.preferred_bpc(shape)` (CTA pairs where they measured faster; recorded as `bpc` in the
